@@ -1,0 +1,125 @@
+r"""FFT kernels for triangular Toeplitz matrices.
+
+A lower-triangular Toeplitz matrix \(L\) with first column \(c\) acts on a vector by
+the causal convolution \((L v)_i = \sum_{j \le i} c_{i-j} v_j\). Zero-padding to
+length \(\ge 2d - 1\) turns the FFT's circular convolution into the linear one, so
+each kernel costs \(O(d \log d)\) per column instead of \(O(d^2)\).
+
+FFTs run in at least float32 (PyTorch has no CPU FFT for half precision); results
+are cast back to the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _fft_size(dim: int) -> int:
+    """Return the smallest power of two `>= 2 * dim - 1`.
+
+    Args:
+        dim: Signal length.
+
+    Returns:
+        The FFT length that avoids wrap-around.
+    """
+    return 1 << max(0, (2 * dim - 2).bit_length())
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype in which FFTs are evaluated.
+
+    Args:
+        dtype: Input dtype.
+
+    Returns:
+        `dtype` promoted to at least float32.
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def causal_convolution(c: Tensor, V: Tensor) -> Tensor:
+    r"""Return \(L V\) with \(L_{ij} = c_{i-j}\) for \(i \ge j\), else 0.
+
+    Args:
+        c: First column of \(L\), shape `[d]`.
+        V: Matrix of shape `[d, n]`.
+
+    Returns:
+        Matrix of shape `[d, n]` in `V`'s dtype.
+    """
+    dim, n_fft = c.shape[0], _fft_size(c.shape[0])
+    dtype = _compute_dtype(V.dtype)
+    c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
+    V_hat = torch.fft.rfft(V.to(dtype), n=n_fft, dim=0)
+    return torch.fft.irfft(c_hat.unsqueeze(1) * V_hat, n=n_fft, dim=0)[:dim].to(V.dtype)
+
+
+def anticausal_convolution(c: Tensor, V: Tensor) -> Tensor:
+    r"""Return \(L^\top V\), using \(L^\top = J L J\) for the row reversal \(J\).
+
+    Args:
+        c: First column of \(L\), shape `[d]`.
+        V: Matrix of shape `[d, n]`.
+
+    Returns:
+        Matrix of shape `[d, n]` in `V`'s dtype.
+    """
+    return causal_convolution(c, V.flip(0)).flip(0)
+
+
+def diagonal_sums_of_gram(X: Tensor) -> Tensor:
+    r"""Return \(t_m = \sum_i (X X^\top)_{i+m,\,i}\) for \(m = 0, \dots, d-1\).
+
+    \(t_m = \sum_j \sum_i X_{i+m,j} X_{ij}\) is the autocorrelation of the columns
+    of \(X\) summed over columns,
+    \(t = \mathcal{F}^{-1}(\sum_j |\mathcal{F} X_{:j}|^2)\).
+
+    Args:
+        X: Matrix of shape `[d, n]`.
+
+    Returns:
+        Vector of shape `[d]` in `X`'s dtype.
+    """
+    dim, n_fft = X.shape[0], _fft_size(X.shape[0])
+    X_hat = torch.fft.rfft(X.to(_compute_dtype(X.dtype)), n=n_fft, dim=0)
+    power = X_hat.real.square().sum(1) + X_hat.imag.square().sum(1)
+    return torch.fft.irfft(power, n=n_fft)[:dim].to(X.dtype)
+
+
+def cross_correlation(w: Tensor, c: Tensor) -> Tensor:
+    r"""Return \(t_m = \sum_{u \ge m} w_u c_{u-m}\) for \(m = 0, \dots, d-1\).
+
+    Args:
+        w: Vector of shape `[d]`.
+        c: Vector of shape `[d]`.
+
+    Returns:
+        Vector of shape `[d]` in `c`'s dtype.
+    """
+    dim, n_fft = c.shape[0], _fft_size(c.shape[0])
+    dtype = _compute_dtype(c.dtype)
+    w_hat = torch.fft.rfft(w.to(dtype), n=n_fft)
+    c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
+    return torch.fft.irfft(w_hat * c_hat.conj(), n=n_fft)[:dim].to(c.dtype)
+
+
+def diagonal_sums(mat: Tensor) -> Tensor:
+    r"""Return the sums of the diagonals \(m = -(d-1), \dots, d-1\) of a square matrix.
+
+    Reversing the rows and padding each with \(d\) zeros skews the matrix so that
+    every diagonal becomes a column of a `[d, 2d - 1]` view: \(O(d^2)\), one pass.
+
+    Args:
+        mat: Matrix of shape `[d, d]`.
+
+    Returns:
+        Vector of shape `[2d - 1]`; entry `d - 1 + m` is the sum of the diagonal
+        with offset `m` (positive: above the main diagonal).
+    """
+    dim = mat.shape[0]
+    padded = torch.nn.functional.pad(mat.flip(0), (0, dim))  # [d, 2d]
+    skewed = padded.flatten()[: dim * (2 * dim - 1)].view(dim, 2 * dim - 1)
+    # skewed[i, j] = mat[d - 1 - i, j - i]: column j holds the diagonal j - (d - 1).
+    return skewed.sum(0)

@@ -1,0 +1,587 @@
+r"""Abstract base class of the structured matrices that hold SINGD's factors.
+
+A structured matrix of dimension \(d\) represents a \(d \times d\) matrix through a
+few registered tensors (its *stored tensors*). Every structure in this package is a
+matrix group, closed under products, so SINGD's factor update
+\(K \gets K - \beta K m_K\) never leaves the structure (Lin et al., ICML 2024, Sec. 3).
+
+Contract for subclasses:
+
+- The represented matrix is a *linear* function of the stored tensors, and every
+  stored entry is an entry of the matrix. Addition, scaling, in-place updates,
+  all-reduce, device moves and `infinity_vector_norm` are therefore implemented once,
+  here, on the stored tensors.
+- A subclass must implement `from_dense` (the projection \(\Pi\) of a symmetric
+  matrix onto the structure, with \(\Pi(I) = I\)), `to_dense` and
+  `_matmul_structure` (the product of two matrices of the structure). Everything
+  else has a dense fallback here that emits a `DenseFallbackWarning`. The built-in
+  structures override every operation the optimizer uses (`dim`, `zeros`, `eye`,
+  `from_mat_inner`, `_matmat`, `_rmatmat`, `_from_inner_identity`, `diag_add_`,
+  `average_trace`, `frobenius_norm`), and the tests assert that no fallback fires.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Size, Tensor
+
+from singd_curvlinops.structures._checks import (
+    check_dim,
+    check_operand,
+    check_same_structure,
+    check_square,
+)
+
+Scalar = float | int | Tensor
+
+
+class DenseFallbackWarning(UserWarning):
+    """Warns that a structured matrix operation went through a dense matrix."""
+
+
+class StructuredMatrix(ABC):
+    r"""A \(d \times d\) matrix stored through the parameters of its structure.
+
+    Subclasses register their stored tensors with `register_tensor` in `__init__`.
+    Operators follow `torch.Tensor`: `K @ V` multiplies a tensor `V` of shape
+    `[d]` or `[d, n]` (or a structure of the same class and dimension), `K + L`
+    adds, `K * s` scales, and the in-place methods return `self` so calls chain.
+    """
+
+    def __init__(self) -> None:
+        """Start with an empty tensor registry."""
+        self._tensor_names: list[str] = []
+
+    # ------------------------------------------------------------------ registry
+    def register_tensor(self, tensor: Tensor, name: str) -> None:
+        """Store `tensor` as part of the matrix under the attribute `name`.
+
+        Args:
+            tensor: A parameter tensor of the structure.
+            name: Attribute name under which the tensor becomes available.
+
+        Raises:
+            TypeError: If `tensor` is not a `torch.Tensor`.
+            ValueError: If `name` is already in use.
+        """
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor)}.")
+        if name in self._tensor_names or hasattr(self, name):
+            raise ValueError(f"Tensor name {name!r} is already in use.")
+        setattr(self, name, tensor)
+        self._tensor_names.append(name)
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Yield the stored tensors with their names, in registration order.
+
+        Yields:
+            Pairs `(name, tensor)`.
+        """
+        for name in self._tensor_names:
+            yield name, getattr(self, name)
+
+    def tensors(self) -> list[Tensor]:
+        """Return the stored tensors in registration order.
+
+        Returns:
+            The list of stored tensors.
+        """
+        return [tensor for _, tensor in self.named_tensors()]
+
+    def _map_tensors(self, fn: Callable[[Tensor], Tensor]) -> StructuredMatrix:
+        """Return a copy of `self` whose stored tensors are `fn(tensor)`.
+
+        Args:
+            fn: Function applied to every stored tensor.
+
+        Returns:
+            A new matrix of the same class.
+        """
+        new = copy.copy(self)
+        for name, tensor in self.named_tensors():
+            setattr(new, name, fn(tensor))
+        new._tensor_names = list(self._tensor_names)
+        return new
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def dim(self) -> int:
+        r"""Dimension \(d\) of the represented square matrix."""
+        self._warn_dense_fallback("dim")
+        return self.to_dense().shape[0]
+
+    @property
+    def shape(self) -> Size:
+        """Shape `[d, d]` of the represented matrix."""
+        return Size((self.dim, self.dim))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Data type of the stored tensors."""
+        return getattr(self, self._tensor_names[0]).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored tensors."""
+        return getattr(self, self._tensor_names[0]).device
+
+    def numel(self) -> int:
+        """Return the number of stored entries (what memory and communication cost).
+
+        Returns:
+            The total number of elements of the stored tensors.
+        """
+        return sum(tensor.numel() for tensor in self.tensors())
+
+    def __repr__(self) -> str:
+        """Name the class, dimension, data type and device.
+
+        Returns:
+            A short description, e.g. `DiagonalMatrix(dim=3, dtype=torch.float32)`.
+        """
+        return (
+            f"{type(self).__name__}(dim={self.dim}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )
+
+    def to(self, *args: Any, **kwargs: Any) -> StructuredMatrix:
+        """Move or cast the stored tensors, with the signature of `Tensor.to`.
+
+        Args:
+            *args: Positional arguments of `torch.Tensor.to` (device or dtype).
+            **kwargs: Keyword arguments of `torch.Tensor.to`.
+
+        Returns:
+            A matrix of the same class (`self` is left unchanged).
+        """
+        return self._map_tensors(lambda tensor: tensor.to(*args, **kwargs))
+
+    def clone(self) -> StructuredMatrix:
+        """Return a copy that shares no memory with `self`.
+
+        Returns:
+            The copied matrix.
+        """
+        return self._map_tensors(torch.clone)
+
+    # ------------------------------------------------------------- constructors
+    @classmethod
+    @abstractmethod
+    def from_dense(cls, sym_mat: Tensor) -> StructuredMatrix:
+        r"""Project a dense symmetric matrix onto the structure, \(\Pi(S)\).
+
+        Entries whose mirror image lies outside the structure are folded onto the
+        stored entry (off-diagonal entries of triangular parts are doubled), so that
+        \(\langle \Pi(S), M \rangle\) matches the SINGD paper's projection map.
+
+        Args:
+            sym_mat: Symmetric matrix of shape `[d, d]`. Symmetry is not checked.
+
+        Returns:
+            The projected structured matrix. It shares no memory with `sym_mat`.
+        """
+
+    @abstractmethod
+    def to_dense(self) -> Tensor:
+        """Return the represented matrix as a dense tensor.
+
+        Returns:
+            Tensor of shape `[d, d]`.
+        """
+
+    @classmethod
+    def zeros(
+        cls,
+        dim: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> StructuredMatrix:
+        r"""Return the zero matrix of dimension `dim`.
+
+        Args:
+            dim: Dimension \(d \ge 1\).
+            dtype: Data type; default: `torch.get_default_dtype()`.
+            device: Device; default: the CPU.
+
+        Returns:
+            The zero matrix.
+        """
+        cls._warn_dense_fallback("zeros")
+        dim = check_dim(dim)
+        return cls.from_dense(torch.zeros(dim, dim, dtype=dtype, device=device))
+
+    @classmethod
+    def eye(
+        cls,
+        dim: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> StructuredMatrix:
+        r"""Return the identity matrix of dimension `dim`.
+
+        Args:
+            dim: Dimension \(d \ge 1\).
+            dtype: Data type; default: `torch.get_default_dtype()`.
+            device: Device; default: the CPU.
+
+        Returns:
+            The identity matrix.
+        """
+        cls._warn_dense_fallback("eye")
+        dim = check_dim(dim)
+        return cls.from_dense(torch.eye(dim, dtype=dtype, device=device))
+
+    @classmethod
+    def from_mat_inner(cls, X: Tensor) -> StructuredMatrix:
+        r"""Return \(\Pi(X X^\top)\).
+
+        Args:
+            X: Matrix of shape `[d, n]`.
+
+        Returns:
+            The projection of \(X X^\top\) onto the structure.
+        """
+        cls._warn_dense_fallback("from_mat_inner")
+        X = check_operand(X, None, None, "X", matrix_only=True)
+        return cls.from_dense(X @ X.T)
+
+    # ----------------------------------------------------------------- products
+    def __matmul__(self, other: Tensor | StructuredMatrix) -> Tensor | StructuredMatrix:
+        """Multiply with a tensor `[d]`/`[d, n]` or a structure of the same class.
+
+        Args:
+            other: Tensor or structured matrix of the same class and dimension.
+
+        Returns:
+            `K @ V` as a tensor, or `K @ L` as a structured matrix.
+        """
+        if isinstance(other, StructuredMatrix):
+            check_same_structure(self, other, "multiply")
+            return self._matmul_structure(other)
+        if not isinstance(other, Tensor):
+            return NotImplemented
+        V = check_operand(other, self.dim, self.dtype, "other")
+        if V.ndim == 1:
+            return self._matmat(V.unsqueeze(1)).squeeze(1)
+        return self._matmat(V)
+
+    def rmatmat(self, mat: Tensor) -> Tensor:
+        r"""Return \(K^\top V\) for a tensor `mat` \(= V\) of shape `[d]` or `[d, n]`.
+
+        Args:
+            mat: Tensor of shape `[d]` or `[d, n]`.
+
+        Returns:
+            Tensor with the shape of `mat`.
+        """
+        V = check_operand(mat, self.dim, self.dtype, "mat")
+        if V.ndim == 1:
+            return self._rmatmat(V.unsqueeze(1)).squeeze(1)
+        return self._rmatmat(V)
+
+    def _matmat(self, V: Tensor) -> Tensor:
+        """Return `self @ V` for a validated `V` of shape `[d, n]`.
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """
+        self._warn_dense_fallback("__matmul__")
+        return self.to_dense() @ V
+
+    def _rmatmat(self, V: Tensor) -> Tensor:
+        """Return `self.T @ V` for a validated `V` of shape `[d, n]`.
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """
+        self._warn_dense_fallback("rmatmat")
+        return self.to_dense().T @ V
+
+    @abstractmethod
+    def _matmul_structure(self, other: StructuredMatrix) -> StructuredMatrix:
+        """Return `self @ other` for a validated structure of the same class.
+
+        The product stays in the structure because every structure is a matrix
+        group. It has no generic dense fallback: a non-symmetric dense product
+        cannot be mapped back through the projection `from_dense`.
+
+        Args:
+            other: Structured matrix of the same class and dimension.
+
+        Returns:
+            The product, in the structure.
+        """
+
+    def from_inner(self, X: Tensor | None = None) -> StructuredMatrix:
+        r"""Return \(\Pi(K^\top X X^\top K)\), or \(\Pi(K^\top K)\) if `X` is None.
+
+        Args:
+            X: Optional matrix of shape `[d, n]`.
+
+        Returns:
+            The projected matrix.
+        """
+        if X is None:
+            return self._from_inner_identity()
+        X = check_operand(X, self.dim, self.dtype, "X", matrix_only=True)
+        return self._from_inner(X)
+
+    def _from_inner(self, X: Tensor) -> StructuredMatrix:
+        r"""Return \(\Pi(K^\top X X^\top K) = \Pi(S S^\top)\) with \(S = K^\top X\).
+
+        Args:
+            X: Validated matrix of shape `[d, n]`.
+
+        Returns:
+            The projected matrix.
+        """
+        return self.from_mat_inner(self._rmatmat(X))
+
+    def _from_inner_identity(self) -> StructuredMatrix:
+        r"""Return \(\Pi(K^\top K)\).
+
+        Returns:
+            The projected matrix.
+        """
+        self._warn_dense_fallback("from_inner")
+        dense = self.to_dense()
+        return self.from_dense(dense.T @ dense)
+
+    # --------------------------------------------------------------- arithmetic
+    def __add__(self, other: StructuredMatrix) -> StructuredMatrix:
+        """Add a structure of the same class and dimension.
+
+        Args:
+            other: The summand.
+
+        Returns:
+            The sum, a new matrix.
+        """
+        if not isinstance(other, StructuredMatrix):
+            return NotImplemented
+        check_same_structure(self, other, "add")
+        return self.clone().add_(other)
+
+    def __sub__(self, other: StructuredMatrix) -> StructuredMatrix:
+        """Subtract a structure of the same class and dimension.
+
+        Args:
+            other: The subtrahend.
+
+        Returns:
+            The difference, a new matrix.
+        """
+        if not isinstance(other, StructuredMatrix):
+            return NotImplemented
+        check_same_structure(self, other, "subtract")
+        return self.clone().add_(other, alpha=-1.0)
+
+    def __mul__(self, scalar: Scalar) -> StructuredMatrix:
+        """Multiply by a scalar (a number or a 0-d tensor).
+
+        Args:
+            scalar: The factor.
+
+        Returns:
+            The scaled matrix, a new matrix.
+        """
+        if not _is_scalar(scalar):
+            return NotImplemented
+        return self._map_tensors(lambda tensor: tensor * scalar)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> StructuredMatrix:
+        """Negate.
+
+        Returns:
+            The negated matrix, a new matrix.
+        """
+        return self._map_tensors(torch.neg)
+
+    def add_(self, other: StructuredMatrix, alpha: Scalar = 1.0) -> StructuredMatrix:
+        """Add `alpha * other` in place.
+
+        Args:
+            other: Structure of the same class and dimension.
+            alpha: Scalar factor (a number or a 0-d tensor, which stays on device).
+
+        Returns:
+            `self`.
+
+        Raises:
+            TypeError: If `alpha` is not a scalar.
+        """
+        check_same_structure(self, other, "add")
+        if not _is_scalar(alpha):
+            raise TypeError(f"alpha must be a number or a 0-d tensor, got {alpha!r}.")
+        if isinstance(alpha, Tensor):
+            torch._foreach_add_(
+                self.tensors(), torch._foreach_mul(other.tensors(), alpha)
+            )
+        else:
+            torch._foreach_add_(self.tensors(), other.tensors(), alpha=alpha)
+        return self
+
+    def mul_(self, value: Scalar) -> StructuredMatrix:
+        """Multiply by a scalar in place.
+
+        Args:
+            value: Scalar factor (a number or a 0-d tensor).
+
+        Returns:
+            `self`.
+
+        Raises:
+            TypeError: If `value` is not a scalar.
+        """
+        if not _is_scalar(value):
+            raise TypeError(f"value must be a number or a 0-d tensor, got {value!r}.")
+        for tensor in self.tensors():
+            tensor.mul_(value)
+        return self
+
+    def diag_add_(self, value: Scalar) -> StructuredMatrix:
+        """Add `value` to every diagonal entry in place.
+
+        Args:
+            value: Scalar (a number or a 0-d tensor).
+
+        Returns:
+            `self`.
+        """
+        self._warn_dense_fallback("diag_add_")
+        eye = self.from_dense(torch.eye(self.dim, dtype=self.dtype, device=self.device))
+        return self.add_(eye, alpha=value)
+
+    # -------------------------------------------------------------------- norms
+    def average_trace(self) -> Tensor:
+        r"""Return \(\bar{\mathrm{tr}}(K) = \sum_i K_{ii} / d\) (divide before summing).
+
+        Returns:
+            A 0-d tensor.
+        """
+        self._warn_dense_fallback("average_trace")
+        return (self.to_dense().diagonal() / self.dim).sum()
+
+    def infinity_vector_norm(self) -> Tensor:
+        r"""Return the largest absolute stored entry, \(\max_{ij} |K_{ij}|\).
+
+        Returns:
+            A 0-d tensor (no host synchronisation).
+        """
+        maxima = [tensor.abs().max() for tensor in self.tensors() if tensor.numel()]
+        return torch.stack(maxima).max()
+
+    def frobenius_norm(self) -> Tensor:
+        r"""Return \(\|K\|_F\).
+
+        Returns:
+            A 0-d tensor.
+        """
+        self._warn_dense_fallback("frobenius_norm")
+        return torch.linalg.matrix_norm(self.to_dense())
+
+    # -------------------------------------------------------------- distributed
+    def all_reduce(
+        self, op: str = "avg", group: dist.ProcessGroup | None = None
+    ) -> StructuredMatrix:
+        """Sum or average the stored tensors over all processes, in place.
+
+        Only the stored tensors travel (a diagonal matrix sends `d` numbers), packed
+        into one buffer so that a single collective call is made. Averaging is a sum
+        followed by a division, which every backend (gloo included) supports.
+
+        Args:
+            op: `"sum"` or `"avg"`.
+            group: Process group; default: the default group.
+
+        Returns:
+            `self`.
+
+        Raises:
+            ValueError: If `op` is not `"sum"` or `"avg"`.
+            RuntimeError: If `torch.distributed` is not initialised.
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}.")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "all_reduce needs an initialised torch.distributed process group."
+            )
+        tensors = self.tensors()
+        buffer = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        if op == "avg":
+            buffer.div_(dist.get_world_size(group))
+        for tensor, chunk in zip(
+            tensors, buffer.split([t.numel() for t in tensors]), strict=True
+        ):
+            tensor.copy_(chunk.view_as(tensor))
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def _warn_dense_fallback(cls, method: str) -> None:
+        """Warn that `method` of `cls` goes through a dense matrix.
+
+        Args:
+            method: Name of the method that falls back.
+        """
+        warnings.warn(
+            f"{cls.__name__}.{method} falls back to a dense matrix; implement it "
+            "using the structure to save time and memory.",
+            DenseFallbackWarning,
+            stacklevel=3,
+        )
+
+    @staticmethod
+    def _check_square(sym_mat: Tensor) -> Tensor:
+        """Validate the argument of `from_dense`.
+
+        Args:
+            sym_mat: Candidate square matrix.
+
+        Returns:
+            `sym_mat`.
+        """
+        return check_square(sym_mat, "sym_mat")
+
+    @staticmethod
+    def _check_dim(dim: int) -> int:
+        """Validate a dimension argument.
+
+        Args:
+            dim: Candidate dimension.
+
+        Returns:
+            `dim`.
+        """
+        return check_dim(dim)
+
+
+def _is_scalar(value: object) -> bool:
+    """Return whether `value` is a Python number or a 0-d tensor.
+
+    Args:
+        value: Object to test.
+
+    Returns:
+        Whether it can scale a structured matrix.
+    """
+    if isinstance(value, Tensor):
+        return value.ndim == 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

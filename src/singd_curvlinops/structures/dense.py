@@ -1,0 +1,94 @@
+r"""Dense factors: the structure of KFAC, IKFAC and SINGD without sparsity."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from singd_curvlinops.structures.base import Scalar, StructuredMatrix
+
+
+class DenseMatrix(StructuredMatrix):
+    r"""An unstructured \(d \times d\) matrix; its projection \(\Pi\) is the identity.
+
+    Args:
+        mat: The matrix, shape `[d, d]`. Stored as given (no copy).
+
+    Examples:
+        >>> K = DenseMatrix.eye(2)
+        >>> (K * 3.0).average_trace()
+        tensor(3.)
+    """
+
+    def __init__(self, mat: Tensor) -> None:  # noqa: D107
+        super().__init__()
+        self.mat: Tensor
+        self.register_tensor(self._check_square(mat), "mat")
+
+    @property
+    @override
+    def dim(self) -> int:
+        return self.mat.shape[0]
+
+    @classmethod
+    @override
+    def from_dense(cls, sym_mat: Tensor) -> DenseMatrix:
+        """Keep every entry (copied): the dense projection is the identity."""
+        return cls(cls._check_square(sym_mat).clone())
+
+    @override
+    def to_dense(self) -> Tensor:
+        return self.mat.clone()
+
+    @classmethod
+    @override
+    def zeros(cls, dim, dtype=None, device=None) -> DenseMatrix:
+        return cls(torch.zeros(cls._check_dim(dim), dim, dtype=dtype, device=device))
+
+    @classmethod
+    @override
+    def eye(cls, dim, dtype=None, device=None) -> DenseMatrix:
+        return cls(torch.eye(cls._check_dim(dim), dtype=dtype, device=device))
+
+    @classmethod
+    @override
+    def from_mat_inner(cls, X: Tensor) -> DenseMatrix:
+        return cls(X @ X.T)
+
+    @override
+    def _matmat(self, V: Tensor) -> Tensor:
+        return self.mat @ V
+
+    @override
+    def _rmatmat(self, V: Tensor) -> Tensor:
+        return self.mat.T @ V
+
+    @override
+    def _matmul_structure(self, other: DenseMatrix) -> DenseMatrix:
+        return DenseMatrix(self.mat @ other.mat)
+
+    @override
+    def _from_inner(self, X: Tensor) -> DenseMatrix:
+        r"""Pick the cheaper route: \(S S^\top\) costs \(2d^2n\), \(K^\top(XX^\top)K\) \(d^2n + 2d^3\)."""  # noqa: E501
+        if X.shape[1] > 2 * self.dim:
+            return DenseMatrix(self.mat.T @ (X @ X.T) @ self.mat)
+        S = self.mat.T @ X
+        return DenseMatrix(S @ S.T)
+
+    @override
+    def _from_inner_identity(self) -> DenseMatrix:
+        return DenseMatrix(self.mat.T @ self.mat)
+
+    @override
+    def diag_add_(self, value: Scalar) -> DenseMatrix:
+        self.mat.diagonal().add_(value)
+        return self
+
+    @override
+    def average_trace(self) -> Tensor:
+        return (self.mat.diagonal() / self.dim).sum()
+
+    @override
+    def frobenius_norm(self) -> Tensor:
+        return torch.linalg.vector_norm(self.mat)

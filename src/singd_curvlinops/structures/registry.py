@@ -1,0 +1,126 @@
+"""Structure names, as users write them, mapped to structure classes.
+
+Fixed names map to one class each; two families take sizes in the name:
+`block{B}diagonal` (e.g. `block30diagonal`) and `hierarchical{K1}_{K2}`
+(e.g. `hierarchical15_15`). Users add their own classes with `register_structure`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from singd_curvlinops.structures.base import StructuredMatrix
+from singd_curvlinops.structures.block_diagonal import block_diagonal
+from singd_curvlinops.structures.dense import DenseMatrix
+from singd_curvlinops.structures.diagonal import DiagonalMatrix
+from singd_curvlinops.structures.hierarchical import hierarchical
+from singd_curvlinops.structures.toeplitz import TrilToeplitzMatrix, TriuToeplitzMatrix
+from singd_curvlinops.structures.triangular import (
+    TrilBottomRightDiagonalMatrix,
+    TrilTopLeftDiagonalMatrix,
+    TriuBottomRightDiagonalMatrix,
+    TriuTopLeftDiagonalMatrix,
+)
+
+_BLOCK_PATTERN = re.compile(r"block(\d+)diagonal")
+_HIERARCHICAL_PATTERN = re.compile(r"hierarchical(\d+)_(\d+)")
+_FAMILY_NAMES = ("block{B}diagonal", "hierarchical{K1}_{K2}")
+
+_BUILTIN: dict[str, type[StructuredMatrix]] = {
+    "dense": DenseMatrix,
+    "diagonal": DiagonalMatrix,
+    "triltoeplitz": TrilToeplitzMatrix,
+    "triutoeplitz": TriuToeplitzMatrix,
+    "trilbottomrightdiag": TrilBottomRightDiagonalMatrix,
+    "triltopleftdiag": TrilTopLeftDiagonalMatrix,
+    "triubottomrightdiag": TriuBottomRightDiagonalMatrix,
+    "triutopleftdiag": TriuTopLeftDiagonalMatrix,
+}
+_USER: dict[str, type[StructuredMatrix]] = {}
+
+
+def structure_names() -> list[str]:
+    """Return every accepted name; families appear with their size placeholders.
+
+    Returns:
+        Sorted fixed names, then the two families, then user-registered names.
+    """
+    return sorted(_BUILTIN) + list(_FAMILY_NAMES) + sorted(_USER)
+
+
+def get_structure(name: str) -> type[StructuredMatrix]:
+    """Return the structure class called `name`.
+
+    Args:
+        name: A fixed name such as `"dense"`, a family member such as
+            `"block30diagonal"` or `"hierarchical15_15"`, or a registered name.
+
+    Returns:
+        The structured matrix class.
+
+    Raises:
+        TypeError: If `name` is not a string.
+        ValueError: If `name` is unknown or a family size is invalid; the message
+            lists the valid names.
+
+    Examples:
+        >>> get_structure("block3diagonal").eye(4).to_dense().diagonal()
+        tensor([1., 1., 1., 1.])
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"A structure name must be a str, got {type(name).__name__}.")
+    if name in _BUILTIN:
+        return _BUILTIN[name]
+    if name in _USER:
+        return _USER[name]
+    if match := _BLOCK_PATTERN.fullmatch(name):
+        block_dim = int(match.group(1))
+        if block_dim >= 1:
+            return block_diagonal(block_dim)
+    elif match := _HIERARCHICAL_PATTERN.fullmatch(name):
+        return hierarchical(int(match.group(1)), int(match.group(2)))
+    raise ValueError(
+        f"Unknown structure {name!r}. Valid names: {', '.join(structure_names())} "
+        "(B >= 1, K1, K2 >= 0)."
+    )
+
+
+def register_structure(name: str, cls: type[StructuredMatrix]) -> None:
+    """Make `cls` available under `name` (for `get_structure` and the optimizers).
+
+    Args:
+        name: New name; must not be taken by a built-in, a family or another
+            registration.
+        cls: A subclass of `StructuredMatrix`.
+
+    Raises:
+        TypeError: If `name` is not a string or `cls` is not a `StructuredMatrix`
+            subclass.
+        ValueError: If `name` is empty or already taken.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}.")
+    if not (isinstance(cls, type) and issubclass(cls, StructuredMatrix)):
+        raise TypeError(f"cls must be a StructuredMatrix subclass, got {cls!r}.")
+    family = _BLOCK_PATTERN.fullmatch(name) or _HIERARCHICAL_PATTERN.fullmatch(name)
+    if name in _BUILTIN or name in _USER or family:
+        owner = _USER.get(name) or _BUILTIN.get(name)
+        taken_by = owner.__name__ if owner else "a built-in structure family"
+        raise ValueError(f"Structure name {name!r} is already taken by {taken_by}.")
+    _USER[name] = cls
+
+
+def unregister_structure(name: str) -> None:
+    """Remove a structure registered with `register_structure`.
+
+    Args:
+        name: The registered name.
+
+    Raises:
+        ValueError: If `name` was not registered by a user.
+    """
+    if name not in _USER:
+        raise ValueError(
+            f"{name!r} is not a user-registered structure; registered: {sorted(_USER)}."
+        )
+    del _USER[name]

@@ -110,6 +110,25 @@ class StructuredMatrix(ABC):
         new._tensor_names = list(self._tensor_names)
         return new
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> StructuredMatrix:
+        """Rebuild a matrix from its stored tensors, as yielded by `named_tensors`.
+
+        Used to restore optimizer state; the tensors are used as given (no copy) and
+        their shapes are not validated here.
+
+        Args:
+            tensors: Map from tensor name to tensor, in registration order.
+
+        Returns:
+            The matrix.
+        """
+        matrix = cls.__new__(cls)
+        StructuredMatrix.__init__(matrix)
+        for name, tensor in tensors.items():
+            matrix.register_tensor(tensor, name)
+        return matrix
+
     # ---------------------------------------------------------------- properties
     @property
     def dim(self) -> int:

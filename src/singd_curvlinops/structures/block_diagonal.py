@@ -38,7 +38,7 @@ class BlockDiagonalMatrix(StructuredMatrix):
 
     BLOCK_DIM: int
 
-    def __init__(self, blocks: Tensor, last: Tensor) -> None:  # noqa: D107
+    def __init__(self, blocks: Tensor, last: Tensor) -> None:
         super().__init__()
         B = getattr(type(self), "BLOCK_DIM", None)
         if B is None:

@@ -21,7 +21,7 @@ class DenseMatrix(StructuredMatrix):
         tensor(3.)
     """
 
-    def __init__(self, mat: Tensor) -> None:  # noqa: D107
+    def __init__(self, mat: Tensor) -> None:
         super().__init__()
         self.mat: Tensor
         self.register_tensor(self._check_square(mat), "mat")

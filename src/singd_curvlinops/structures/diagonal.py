@@ -21,7 +21,7 @@ class DiagonalMatrix(StructuredMatrix):
         tensor([3., 8.])
     """
 
-    def __init__(self, diag: Tensor) -> None:  # noqa: D107
+    def __init__(self, diag: Tensor) -> None:
         super().__init__()
         if diag.ndim != 1 or diag.numel() == 0:
             raise ValueError(f"diag must have shape [d] with d >= 1, got {diag.shape}.")

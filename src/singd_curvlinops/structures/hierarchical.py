@@ -43,9 +43,7 @@ class HierarchicalMatrix(StructuredMatrix):
     MAX_K1: int
     MAX_K2: int
 
-    def __init__(  # noqa: D107
-        self, A: Tensor, B: Tensor, C: Tensor, D: Tensor, E: Tensor
-    ) -> None:
+    def __init__(self, A: Tensor, B: Tensor, C: Tensor, D: Tensor, E: Tensor) -> None:
         super().__init__()
         if getattr(type(self), "MAX_K1", None) is None:
             raise TypeError(

@@ -31,7 +31,7 @@ class _TriangularToeplitzMatrix(StructuredMatrix):
         diags: The diagonal values \(c\), shape `[d]`, main diagonal first.
     """
 
-    def __init__(self, diags: Tensor) -> None:  # noqa: D107
+    def __init__(self, diags: Tensor) -> None:
         super().__init__()
         if diags.ndim != 1 or diags.numel() == 0:
             raise ValueError(f"diags must have shape [d], d >= 1, got {diags.shape}.")

@@ -40,7 +40,7 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
     IS_COLUMN: bool
     PIVOT_FIRST: bool
 
-    def __init__(self, diag: Tensor, line: Tensor) -> None:  # noqa: D107
+    def __init__(self, diag: Tensor, line: Tensor) -> None:
         super().__init__()
         if diag.ndim != 1 or diag.numel() == 0 or line.shape != (diag.numel() - 1,):
             raise ValueError(

@@ -1,0 +1,117 @@
+"""Validation of the optimizers' hyperparameters (one place, clear messages)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from singd_curvlinops.statistics import check_kfac_approx, check_loss_average
+from singd_curvlinops.structures import get_structure
+
+CALLABLE_LR_COV = "<callable lr_cov: restored from the optimizer on load>"
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    """Check `low <= value` (and `value < high`) for a real number.
+
+    Args:
+        name: Argument name for the message.
+        value: Candidate value.
+        low: Inclusive lower bound.
+        high: Exclusive upper bound, if any.
+
+    Raises:
+        TypeError: If `value` is not a real number.
+        ValueError: If it is out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    if value != value or value < low or (high is not None and value >= high):
+        allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+
+
+def check_structures(structures: Any) -> tuple[str, str]:
+    """Check a pair of structure names `(K, C)`.
+
+    Args:
+        structures: Candidate pair.
+
+    Returns:
+        The pair as a tuple.
+
+    Raises:
+        ValueError: If it is not a pair of known structure names.
+    """
+    if isinstance(structures, str) or len(structures) != 2:
+        raise ValueError(
+            f"structures must be a pair (K structure, C structure), got {structures!r}."
+        )
+    for name in structures:
+        get_structure(name)  # raises ValueError listing the valid names
+    return tuple(structures)
+
+
+def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:
+    """Check a pair `(dtype_K, dtype_C)` of floating dtypes or None.
+
+    Args:
+        value: Candidate pair.
+
+    Returns:
+        The pair as a tuple.
+
+    Raises:
+        ValueError: If it is not such a pair.
+    """
+    if (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or not all(
+            d is None or (isinstance(d, torch.dtype) and d.is_floating_point)
+            for d in value
+        )
+    ):
+        raise ValueError(
+            "preconditioner_dtype must be a pair of floating torch dtypes or None, "
+            f"got {value!r}."
+        )
+    return tuple(value)
+
+
+def check_group(group: dict[str, Any], *, with_singd: bool = True) -> None:
+    """Validate the hyperparameters of a parameter group in place.
+
+    Args:
+        group: The group's options (`params` is ignored).
+        with_singd: Also check SINGD-only options (`alpha1`, `lr_cov`, ...).
+
+    Raises:
+        ValueError: If a value is out of range or unknown; the message names the
+            argument and the allowed values.
+        TypeError: If a value has the wrong type.
+    """
+    _check_number("lr", group["lr"], 0.0)
+    _check_number("momentum", group["momentum"], 0.0, 1.0)
+    _check_number("damping", group["damping"], 0.0)
+    _check_number("weight_decay", group["weight_decay"], 0.0)
+    T = group["T"]
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"T must be a positive int, got {T!r}.")
+    group["loss_average"] = check_loss_average(group["loss_average"])
+    group["kfac_approx"] = check_kfac_approx(group["kfac_approx"])
+    group["preconditioner_dtype"] = check_preconditioner_dtype(
+        group["preconditioner_dtype"]
+    )
+    if not with_singd:
+        return
+    _check_number("alpha1", group["alpha1"], 0.0, 1.0)
+    lr_cov = group["lr_cov"]
+    if not (isinstance(lr_cov, Callable) or lr_cov == CALLABLE_LR_COV):
+        _check_number("lr_cov", lr_cov, 0.0)
+    group["structures"] = check_structures(group["structures"])
+    for name in ("kfac_like", "normalize_lr_cov"):
+        if not isinstance(group[name], bool):
+            raise TypeError(f"{name} must be a bool, got {group[name]!r}.")

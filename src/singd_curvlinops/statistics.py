@@ -1,0 +1,251 @@
+r"""The only module that knows curvlinops' KFAC conventions.
+
+For a supported layer, a batch of its inputs \(x\) and of the gradients \(g\) of the
+loss with respect to its outputs become two *factor matrices* (rows are data):
+
+- `input_rows`: \(a\) with \(a^\top a = U_K\), the input covariance (Kronecker factor
+  \(A\)) that `curvlinops.KFACLinearOperator` computes on this batch: Conv2d patches
+  from `curvlinops.kfac_utils`, weight-sharing dimensions flattened (`"expand"`) or
+  averaged (`"reduce"`), a column of ones for the bias, normalised by the number of
+  examples \(N\) (and by the weight-sharing size for `"expand"`);
+- `gradient_rows`: \(\tilde g\) with \(\tilde g^\top \tilde g \cdot \nu = U_C\), the
+  gradient covariance (Kronecker factor \(G\)), where the scale \(\nu\)
+  (`gradient_scale`) depends on the loss reduction: the loss-average rows below undo
+  the \(1 / (N R)\) that a mean puts on every output gradient.
+
+| `loss_average` | curvlinops' loss reduction | loss terms per example \(R\) | \(\nu\) |
+|---|---|---|---|
+| `None` | `"sum"` | — | \(1\) |
+| `"batch"` | `"mean"` | \(1\) | \(N\) |
+| `"batch+sequence"` | `"mean"` | weight-sharing size \(S\) of the layer | \(N\) |
+
+(\(\tilde g\) already carries the \(\sqrt{R}\).) Both normalisations refer to the
+whole batch, so micro-batches accumulate exactly: average the per-micro-batch \(U_K\)
+weighted by their sizes, sum \(\tilde g^\top \tilde g\), and apply \(\nu\) with the
+total \(N\) (the PyTorch convention divides each micro-batch loss by the number of
+micro-batches, which makes the output gradients those of the concatenated batch).
+
+For `"batch+sequence"`, \(R\) is the layer's weight-sharing size (the sequence
+length for `Linear` layers on `[batch, sequence, features]`), which equals
+curvlinops' `num_per_example_loss_terms` when every position carries a loss term.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from curvlinops.kfac import KFACType
+from curvlinops.kfac_utils import extract_averaged_patches, extract_patches
+from einconv.utils import get_conv_paddings
+from torch import Tensor
+from torch.nn import Conv2d, Linear, Module
+
+LossAverage = Literal["batch", "batch+sequence"] | None
+LOSS_AVERAGES: tuple[LossAverage, ...] = (None, "batch", "batch+sequence")
+KFAC_APPROXES: tuple[str, ...] = tuple(kind.value for kind in KFACType)
+SUPPORTED_MODULES: tuple[type[Module], ...] = (Linear, Conv2d)
+
+
+def is_supported(module: Module) -> bool:
+    """Return whether SINGD can precondition `module`'s weight (and bias).
+
+    Args:
+        module: A layer.
+
+    Returns:
+        True for `Linear` and for `Conv2d` with zero padding mode.
+    """
+    if isinstance(module, Conv2d):
+        return module.padding_mode == "zeros"
+    return isinstance(module, Linear)
+
+
+def factor_dims(module: Module) -> tuple[int, int]:
+    """Return the dimensions `(d_K, d_C)` of a layer's Kronecker factors.
+
+    Args:
+        module: A supported layer.
+
+    Returns:
+        `d_K = d_in (+1 with bias)` and `d_C = d_out`, with `d_in` the flattened
+        input side of the weight (`C_in / groups * k1 * k2` for Conv2d).
+    """
+    weight = module.weight
+    d_in = weight[0].numel()
+    return d_in + int(module.bias is not None), weight.shape[0]
+
+
+def _conv_patches(x: Tensor, module: Conv2d, kfac_approx: str) -> Tensor:
+    """Extract the patches of a Conv2d input with curvlinops' extractors.
+
+    String padding with unequal left/right amounts (`'same'` with an even kernel) is
+    applied explicitly before extraction, which curvlinops does not support itself.
+
+    Args:
+        x: Layer input, `[batch, C_in, I1, I2]`.
+        module: The convolution.
+        kfac_approx: `"expand"` or `"reduce"`.
+
+    Returns:
+        `[batch, O1 * O2, d_in]` (expand) or `[batch, d_in]` (reduce).
+    """
+    padding = module.padding
+    if isinstance(padding, str):
+        pads = [
+            get_conv_paddings(k, s, padding, d)
+            for k, s, d in zip(
+                module.kernel_size, module.stride, module.dilation, strict=True
+            )
+        ]
+        if any(left != right for left, right in pads):
+            (top, bottom), (left, right) = pads
+            x = torch.nn.functional.pad(x, (left, right, top, bottom))
+            padding = 0
+    extract = (
+        extract_patches
+        if kfac_approx == KFACType.EXPAND
+        else (extract_averaged_patches)
+    )
+    return extract(
+        x, module.kernel_size, module.stride, padding, module.dilation, module.groups
+    )
+
+
+def _shared_rows(x: Tensor, kfac_approx: str, reduce_op: str) -> tuple[Tensor, int]:
+    """Flatten (expand) or reduce (reduce) the weight-sharing dimensions.
+
+    Args:
+        x: Tensor `[batch, ..., features]`.
+        kfac_approx: `"expand"` or `"reduce"`.
+        reduce_op: `"mean"` (inputs) or `"sum"` (output gradients) for reduce.
+
+    Returns:
+        The rows `[batch (* shared), features]` and the weight-sharing size.
+    """
+    shared = x.shape[1:-1].numel()
+    if kfac_approx == KFACType.EXPAND:
+        return x.reshape(-1, x.shape[-1]), shared  # "b ... d -> (b ...) d"
+    if x.ndim == 2:
+        return x, shared
+    rows = x.flatten(1, -2)  # "b ... d -> b (...) d"
+    return (rows.mean(1) if reduce_op == "mean" else rows.sum(1)), shared
+
+
+def input_rows(module: Module, x: Tensor, kfac_approx: str) -> Tensor:
+    r"""Return \(a\) with \(a^\top a\) equal to curvlinops' input covariance.
+
+    Args:
+        module: A supported layer.
+        x: The layer's input; `[batch, ..., d_in]` (Linear) or
+            `[batch, C_in, I1, I2]` (Conv2d).
+        kfac_approx: `"expand"` or `"reduce"`.
+
+    Returns:
+        Tensor `[rows, d_K]`, normalised by \(\sqrt{N S}\) (expand) or
+        \(\sqrt{N}\) (reduce) for a batch of \(N\) examples.
+    """
+    batch_size = x.shape[0]
+    if isinstance(module, Conv2d):
+        x = _conv_patches(x, module, kfac_approx)
+    rows, shared = _shared_rows(x, kfac_approx, "mean")
+    if module.bias is not None:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    normaliser = batch_size * (shared if kfac_approx == KFACType.EXPAND else 1)
+    return rows / normaliser**0.5
+
+
+def gradient_rows(
+    module: Module, g: Tensor, kfac_approx: str, loss_average: LossAverage
+) -> Tensor:
+    r"""Return \(\tilde g\) with \(\nu\,\tilde g^\top \tilde g\) = curvlinops' gradient covariance.
+
+    Args:
+        module: A supported layer.
+        g: Gradient of the loss w.r.t. the layer's output; `[batch, ..., d_out]`
+            (Linear) or `[batch, C_out, O1, O2]` (Conv2d).
+        kfac_approx: `"expand"` or `"reduce"` (reduce sums over shared dimensions).
+        loss_average: `None`, `"batch"` or `"batch+sequence"`.
+
+    Returns:
+        Tensor `[rows, d_out]`, multiplied by \(\sqrt{R}\) for `"batch+sequence"`.
+    """  # noqa: E501
+    if isinstance(module, Conv2d):
+        g = g.flatten(2).transpose(1, 2)  # "b c o1 o2 -> b (o1 o2) c"
+    rows, shared = _shared_rows(g, kfac_approx, "sum")
+    if loss_average == "batch+sequence":
+        rows = rows * shared**0.5
+    return rows
+
+
+def gradient_scale(loss_average: LossAverage, num_examples: int) -> float:
+    r"""Return \(\nu\), the factor from \(\sum \tilde g^\top \tilde g\) to \(U_C\).
+
+    Args:
+        loss_average: `None`, `"batch"` or `"batch+sequence"`.
+        num_examples: Number of examples \(N\) of the (accumulated) batch.
+
+    Returns:
+        \(N\) for a mean loss, 1 for a sum loss.
+    """
+    return 1.0 if loss_average is None else float(num_examples)
+
+
+def grad_matrix(module: Module) -> Tensor | None:
+    r"""Return the layer's gradient as the matrix \(\Gamma = [\nabla W\; \nabla b]\).
+
+    Args:
+        module: A supported layer.
+
+    Returns:
+        `[d_out, d_K]`, or None if the weight has no gradient. A missing bias
+        gradient counts as zero.
+    """
+    weight = module.weight
+    if weight.grad is None:
+        return None
+    grad = weight.grad.flatten(1)
+    if module.bias is None:
+        return grad
+    bias_grad = module.bias.grad
+    if bias_grad is None:
+        bias_grad = torch.zeros_like(module.bias)
+    return torch.cat([grad, bias_grad.unsqueeze(1)], dim=1)
+
+
+def check_kfac_approx(kfac_approx: object) -> str:
+    """Validate `kfac_approx`.
+
+    Args:
+        kfac_approx: Candidate value.
+
+    Returns:
+        The value as a plain string.
+
+    Raises:
+        ValueError: If it is not one of curvlinops' `KFACType` values.
+    """
+    if kfac_approx not in KFAC_APPROXES:
+        raise ValueError(
+            f"kfac_approx must be one of {list(KFAC_APPROXES)}, got {kfac_approx!r}."
+        )
+    return str(KFACType(kfac_approx).value)
+
+
+def check_loss_average(loss_average: object) -> LossAverage:
+    """Validate `loss_average`.
+
+    Args:
+        loss_average: Candidate value.
+
+    Returns:
+        The value.
+
+    Raises:
+        ValueError: If it is not `None`, `"batch"` or `"batch+sequence"`.
+    """
+    if loss_average not in LOSS_AVERAGES:
+        raise ValueError(
+            f"loss_average must be one of {list(LOSS_AVERAGES)}, got {loss_average!r}."
+        )
+    return loss_average

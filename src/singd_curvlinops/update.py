@@ -1,0 +1,130 @@
+r"""The pure math of SINGD: factor updates and the preconditioned gradient.
+
+Lin et al., *Structured inverse-free natural gradient descent* (ICML 2024),
+Fig. 1 / Alg. 1. Per layer, with \(H_K = \Pi(K^\top U_K K)\),
+\(H_C = \Pi(C^\top U_C C)\), damping \(\lambda\), Riemannian momentum \(\alpha_1\) and
+factor learning rate \(\beta_1\):
+
+\[
+\hat m_K = \bar{\mathrm{tr}}(H_C) H_K + \lambda\, \bar{\mathrm{tr}}(\Pi(C^\top C))
+\,\Pi(K^\top K) - I, \qquad
+m_K \gets \alpha_1 m_K + s\, \hat m_K, \qquad K \gets K - \beta_1 K m_K,
+\]
+and symmetrically for \(C\); IKFAC (`kfac_like=True`) drops the traces. The scale is
+\(s = \tfrac12 (1 - \alpha_1)\) with `normalize_lr_cov`, where also
+\(\beta_1 \gets \beta_1 / \max(1, \|m\|_{\max})\), else \(s = \tfrac12\).
+
+These functions do not know about modules, hooks or parameter groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.structures import StructuredMatrix
+
+
+@dataclass(frozen=True)
+class FactorHyperparameters:
+    r"""Hyperparameters of one factor update (one layer, one step).
+
+    Attributes:
+        damping: \(\lambda \ge 0\).
+        alpha1: Riemannian momentum \(\alpha_1 \in [0, 1)\).
+        lr_cov: Factor learning rate \(\beta_1\) at this step.
+        kfac_like: IKFAC update (no trace coupling) instead of SINGD's.
+        normalize_lr_cov: Normalise \(\beta_1\) by the largest momentum entry.
+    """
+
+    damping: float
+    alpha1: float
+    lr_cov: float
+    kfac_like: bool
+    normalize_lr_cov: bool
+
+
+def momentum_increment(
+    H: StructuredMatrix,
+    KtK: StructuredMatrix,
+    *,
+    trace_H_other: Tensor,
+    trace_KtK_other: Tensor,
+    hyper: FactorHyperparameters,
+) -> StructuredMatrix:
+    r"""Return \(s \hat m_K = s(\bar{\mathrm{tr}}(H_C) H_K + \lambda \bar{\mathrm{tr}}(C^\top C) K^\top K - I)\).
+
+    Args:
+        H: \(H_K = \Pi(K^\top U_K K)\) (consumed: updated in place).
+        KtK: \(\Pi(K^\top K)\).
+        trace_H_other: \(\bar{\mathrm{tr}}(H_C)\) of the other factor (0-d tensor).
+        trace_KtK_other: \(\bar{\mathrm{tr}}(\Pi(C^\top C))\) of the other factor.
+        hyper: The hyperparameters.
+
+    Returns:
+        The scaled increment, in the structure of `H`.
+    """  # noqa: E501
+    if hyper.kfac_like:
+        increment = H.add_(KtK, alpha=hyper.damping)
+    else:
+        increment = H.mul_(trace_H_other).add_(KtK * (trace_KtK_other * hyper.damping))
+    scale = 0.5 * (1.0 - hyper.alpha1) if hyper.normalize_lr_cov else 0.5
+    return increment.diag_add_(-1.0).mul_(scale)
+
+
+def factor_step(
+    K: StructuredMatrix,
+    m_K: StructuredMatrix,
+    increment: StructuredMatrix,
+    hyper: FactorHyperparameters,
+) -> tuple[StructuredMatrix, StructuredMatrix]:
+    r"""Return the new factor and momentum, \(K - \beta_1 K m_K\) and \(m_K\).
+
+    Args:
+        K: The factor.
+        m_K: Its momentum before the step.
+        increment: \(s \hat m_K\) from `momentum_increment` (consumed).
+        hyper: The hyperparameters.
+
+    Returns:
+        `(K_new, m_K_new)` with \(m_K^{\rm new} = \alpha_1 m_K + s \hat m_K\).
+    """
+    m_new = increment.add_(m_K, alpha=hyper.alpha1) if hyper.alpha1 else increment
+    lr: float | Tensor = hyper.lr_cov
+    if hyper.normalize_lr_cov:
+        lr = hyper.lr_cov / m_new.infinity_vector_norm().clamp(min=1.0)
+    return K - (K @ m_new) * lr, m_new
+
+
+def precondition(grad: Tensor, K: StructuredMatrix, C: StructuredMatrix) -> Tensor:
+    r"""Return \(C C^\top \Gamma K K^\top\) without forming either product densely.
+
+    \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), then \(C (C^\top \cdot)\).
+    Each side is computed in its factor's dtype.
+
+    Args:
+        grad: Matrix gradient \(\Gamma\), `[d_out, d_in (+1)]`; last column = bias.
+        K: Input-side factor of dimension `d_in (+1)`.
+        C: Output-side factor of dimension `d_out`.
+
+    Returns:
+        Tensor with the shape and dtype of `grad`.
+    """
+    right = (K @ K.rmatmat(grad.T.to(K.dtype))).T
+    return (C @ C.rmatmat(right.to(C.dtype))).to(grad.dtype)
+
+
+def all_finite(tensors: list[Tensor]) -> Tensor:
+    """Return a 0-d boolean tensor: do all `tensors` hold only finite values?
+
+    Args:
+        tensors: Tensors to check.
+
+    Returns:
+        `torch.tensor(True)` for an empty list.
+    """
+    if not tensors:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()

@@ -151,6 +151,7 @@ class SINGD(Optimizer):
         self._hooks: dict[Module, Any] = {}
         self._group_index: dict[Parameter, int] = {}
         self._pending: dict[Module, dict[str, Any]] = {}
+        self._cache: dict[Module, tuple] = {}
         self._warned_no_statistics: set[str] = set()
         self._last_grad_scale = float(init_grad_scale)
         super().__init__(params, defaults)
@@ -337,6 +338,24 @@ class SINGD(Optimizer):
         sides = {"K": 0, "C": 1, "m_K": 0, "m_C": 1}
         return tuple(self._load_factor(state, p, names[sides[p]]) for p in FACTORS)
 
+    def _preconditioner(self, module: Module) -> tuple:
+        r"""Return `(K, C, KKᵀ, CCᵀ)`, cached until the factors change.
+
+        \(K K^\top\) is None where it leaves the structure (then `precondition`
+        applies \(K (K^\top \cdot)\)); the cache is derived data, not state.
+
+        Args:
+            module: A hooked layer.
+
+        Returns:
+            The factors and their cached outer products.
+        """
+        cached = self._cache.get(module)
+        if cached is None:
+            K, C, _, _ = self._factors(module)
+            cached = self._cache[module] = (K, C, K.outer_self(), C.outer_self())
+        return cached
+
     # ------------------------------------------------------------------- hooks
     def _forward_hook(self, module: Module, inputs: tuple, output: Tensor) -> None:
         """On update steps, install a tensor hook on the output (no backward hooks).
@@ -365,7 +384,7 @@ class SINGD(Optimizer):
         """
         with torch.no_grad():
             group = self._group_of(module.weight)
-            K, C, _, _ = self._factors(module)
+            K, C, _, _ = self._preconditioner(module)
             approx, average = group["kfac_approx"], group["loss_average"]
             a = statistics.input_rows(module, x.to(K.dtype), approx)
             g = statistics.gradient_rows(module, grad_output, approx, average)
@@ -495,8 +514,7 @@ class SINGD(Optimizer):
             return
         if grad_scale is not None:
             grad = grad / grad_scale.to(grad.dtype)
-        K, C, _, _ = self._factors(module)
-        direction = precondition(grad, K, C)
+        direction = precondition(grad, *self._preconditioner(module))
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
         if group["weight_decay"]:
             direction.add_(_as_matrix(params), alpha=group["weight_decay"])
@@ -559,6 +577,7 @@ class SINGD(Optimizer):
             new_factor, new_momentum = factor_step(factor, momentum, increment, hyper)
             self._store_factor(state, prefix, new_factor)
             self._store_factor(state, f"m_{prefix}", new_momentum)
+        self._cache.pop(module, None)
 
     def _apply_update(
         self, params: list[Parameter], direction: Tensor, group: dict[str, Any]
@@ -640,6 +659,7 @@ class SINGD(Optimizer):
                 {k: t.to(param.device) for k, t in tensors.items()}
             )
         self._pending.clear()
+        self._cache.clear()
 
     def _validated_factors(
         self, state_dict: dict[str, Any]
@@ -698,6 +718,7 @@ class SINGD(Optimizer):
         """
         super().__setstate__(state)
         self.__dict__.setdefault("_pending", {})
+        self.__dict__.setdefault("_cache", {})
         self.__dict__.setdefault("_warned_no_statistics", set())
         self.__dict__.setdefault("_last_grad_scale", 1.0)
 

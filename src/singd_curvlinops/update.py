@@ -98,22 +98,34 @@ def factor_step(
     return K - (K @ m_new) * lr, m_new
 
 
-def precondition(grad: Tensor, K: StructuredMatrix, C: StructuredMatrix) -> Tensor:
+def precondition(
+    grad: Tensor,
+    K: StructuredMatrix,
+    C: StructuredMatrix,
+    KKt: StructuredMatrix | None = None,
+    CCt: StructuredMatrix | None = None,
+) -> Tensor:
     r"""Return \(C C^\top \Gamma K K^\top\) without forming either product densely.
 
-    \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), then \(C (C^\top \cdot)\).
-    Each side is computed in its factor's dtype.
+    \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), then \(C (C^\top \cdot)\);
+    where \(K K^\top\) (\(C C^\top\)) is given, one symmetric product replaces the
+    two. Each side is computed in its factor's dtype.
 
     Args:
         grad: Matrix gradient \(\Gamma\), `[d_out, d_in (+1)]`; last column = bias.
         K: Input-side factor of dimension `d_in (+1)`.
         C: Output-side factor of dimension `d_out`.
+        KKt: Optional precomputed \(K K^\top\) (`K.outer_self()`).
+        CCt: Optional precomputed \(C C^\top\).
 
     Returns:
         Tensor with the shape and dtype of `grad`.
     """
-    right = (K @ K.rmatmat(grad.T.to(K.dtype))).T
-    return (C @ C.rmatmat(right.to(C.dtype))).to(grad.dtype)
+    right = grad.T.to(K.dtype)
+    right = (KKt @ right if KKt is not None else K @ K.rmatmat(right)).T
+    left = right.to(C.dtype)
+    left = CCt @ left if CCt is not None else C @ C.rmatmat(left)
+    return left.to(grad.dtype)
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:

@@ -136,6 +136,15 @@ class StructureSuite:
         assert type(product) is self.cls
         assert_close(product.to_dense(), K1_dense @ K2_dense)
 
+    def test_outer_self(self, dim: int) -> None:
+        K, K_dense = self.random_element(dim)
+        outer = K.outer_self()
+        if self.NAME in ("dense", "diagonal") or self.NAME.startswith("block"):
+            assert type(outer) is self.cls
+            assert_close(outer.to_dense(), K_dense @ K_dense.T)
+        else:  # K Kᵀ leaves the structure
+            assert outer is None
+
     @pytest.mark.parametrize("num_cols", [1, 5, 100])
     def test_from_inner(self, dim: int, num_cols: int) -> None:
         K, K_dense = self.random_element(dim)

@@ -379,6 +379,18 @@ class StructuredMatrix(ABC):
         dense = self.to_dense()
         return self.from_dense(dense.T @ dense)
 
+    def outer_self(self) -> StructuredMatrix | None:
+        r"""Return \(K K^\top\) if it lies in the structure, else None.
+
+        The optimizer applies \(K K^\top\) at every step but changes \(K\) only
+        every `T` steps; where the product stays in the structure (dense, diagonal,
+        block-diagonal) it is formed once per update and applied as one matrix.
+
+        Returns:
+            The symmetric product, or None for structures not closed under it.
+        """
+        return None
+
     # --------------------------------------------------------------- arithmetic
     def __add__(self, other: StructuredMatrix) -> StructuredMatrix:
         """Add a structure of the same class and dimension.

@@ -155,6 +155,10 @@ class BlockDiagonalMatrix(StructuredMatrix):
         return type(self)(self.blocks.mT @ self.blocks, self.last.T @ self.last)
 
     @override
+    def outer_self(self) -> BlockDiagonalMatrix:
+        return type(self)(self.blocks @ self.blocks.mT, self.last @ self.last.T)
+
+    @override
     def diag_add_(self, value: Scalar) -> BlockDiagonalMatrix:
         self.blocks.diagonal(dim1=1, dim2=2).add_(value)
         self.last.diagonal().add_(value)

@@ -81,6 +81,10 @@ class DenseMatrix(StructuredMatrix):
         return DenseMatrix(self.mat.T @ self.mat)
 
     @override
+    def outer_self(self) -> DenseMatrix:
+        return DenseMatrix(self.mat @ self.mat.T)
+
+    @override
     def diag_add_(self, value: Scalar) -> DenseMatrix:
         self.mat.diagonal().add_(value)
         return self

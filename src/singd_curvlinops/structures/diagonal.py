@@ -80,6 +80,10 @@ class DiagonalMatrix(StructuredMatrix):
         return DiagonalMatrix(self.diag.square())
 
     @override
+    def outer_self(self) -> DiagonalMatrix:
+        return DiagonalMatrix(self.diag.square())
+
+    @override
     def diag_add_(self, value: Scalar) -> DiagonalMatrix:
         self.diag.add_(value)
         return self

@@ -273,3 +273,25 @@ def test_layer_without_forward_hook_warns_once_and_trains() -> None:
     assert not torch.equal(
         opt.state[model.head.weight]["K.mat"], torch.eye(9, dtype=torch.float64)
     )
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_same_padding_with_even_kernel_trains(approx: str) -> None:
+    """curvlinops and the reference refuse unequal 'same' padding; SINGD trains it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 4, padding="same"), nn.ReLU(), nn.Flatten(), nn.Linear(256, 3)
+    ).double()
+    opt = SINGD(model, **HYPER, T=1, kfac_approx=approx)
+    X, y = data()
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]
+    K = opt.state[model[0].weight]["K.mat"]
+    assert K.shape == (2 * 16 + 1, 2 * 16 + 1)
+    assert not torch.allclose(K, torch.eye(33, dtype=K.dtype))

@@ -109,7 +109,7 @@ def check_group(group: dict[str, Any], *, with_singd: bool = True) -> None:
         return
     _check_number("alpha1", group["alpha1"], 0.0, 1.0)
     lr_cov = group["lr_cov"]
-    if not (isinstance(lr_cov, Callable) or lr_cov == CALLABLE_LR_COV):
+    if not isinstance(lr_cov, Callable):
         _check_number("lr_cov", lr_cov, 0.0)
     group["structures"] = check_structures(group["structures"])
     for name in ("kfac_like", "normalize_lr_cov"):

@@ -153,7 +153,7 @@ class SINGD(Optimizer):
         self._pending: dict[Module, dict[str, Any]] = {}
         self._cache: dict[Module, tuple] = {}
         self._warned_no_statistics: set[str] = set()
-        self._last_grad_scale = float(init_grad_scale)
+        self._init_grad_scale = float(init_grad_scale)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------ construction
@@ -272,6 +272,8 @@ class SINGD(Optimizer):
                 for key, tensor in matrix.named_tensors():
                     state[f"{prefix}.{key}"] = tensor
             state["step"] = 0
+            # scale of the output gradients expected in the next backward pass
+            state["grad_scale"] = self._init_grad_scale
         return state
 
     @staticmethod
@@ -388,7 +390,8 @@ class SINGD(Optimizer):
             approx, average = group["kfac_approx"], group["loss_average"]
             a = statistics.input_rows(module, x.to(K.dtype), approx)
             g = statistics.gradient_rows(module, grad_output, approx, average)
-            g = g.to(C.dtype) / self._last_grad_scale
+            expected_scale = self._layer_state(module)["grad_scale"]
+            g = g.to(C.dtype) / expected_scale
             H_K, H_C = K.from_inner(a.T), C.from_inner(g.T)
             batch = x.shape[0]
             pending = self._pending.get(module)
@@ -397,7 +400,7 @@ class SINGD(Optimizer):
                     "H_K": H_K,
                     "H_C": H_C,
                     "num_examples": batch,
-                    "grad_scale": self._last_grad_scale,
+                    "grad_scale": expected_scale,
                 }
                 return
             total = pending["num_examples"] + batch
@@ -442,18 +445,19 @@ class SINGD(Optimizer):
             if weight in self._layers and self._group_index.get(weight) is not None
         ]
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
-        statistics_scale = (
+        current_scale = (
             float(grad_scale)
             if grad_scale is not None
-            else getattr(self, "_current_grad_scale", self._last_grad_scale)
+            else self.__dict__.pop("_current_grad_scale", None)
         )
         if not self._all_finite(layers):
             self._skip_step()
             return loss
         for group, _, name, module in layers:
+            state = self._layer_state(module)
+            statistics_scale = current_scale or state["grad_scale"]
             self._step_layer(group, name, module, grad_scale, statistics_scale)
-        self._last_grad_scale = statistics_scale
-        self.__dict__.pop("_current_grad_scale", None)
+            state["grad_scale"] = statistics_scale
         return loss
 
     def _all_finite(self, layers: list) -> bool:
@@ -720,7 +724,7 @@ class SINGD(Optimizer):
         self.__dict__.setdefault("_pending", {})
         self.__dict__.setdefault("_cache", {})
         self.__dict__.setdefault("_warned_no_statistics", set())
-        self.__dict__.setdefault("_last_grad_scale", 1.0)
+        self.__dict__.setdefault("_init_grad_scale", 1.0)
 
 
 def _as_matrix(params: list[Parameter]) -> Tensor:

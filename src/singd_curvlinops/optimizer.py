@@ -452,6 +452,10 @@ class SINGD(Optimizer):
         )
         if not self._all_finite(layers):
             self._skip_step()
+            if current_scale is not None:  # the next pass runs at (about) this scale
+                for _, weight, _, _ in layers:
+                    if "step" in self.state[weight]:
+                        self.state[weight]["grad_scale"] = current_scale
             return loss
         for group, _, name, module in layers:
             state = self._layer_state(module)

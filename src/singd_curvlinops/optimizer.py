@@ -341,7 +341,7 @@ class SINGD(Optimizer):
         return tuple(self._load_factor(state, p, names[sides[p]]) for p in FACTORS)
 
     def _preconditioner(self, module: Module) -> tuple:
-        r"""Return `(K, C, KKᵀ, CCᵀ)`, cached until the factors change.
+        r"""Return `(K, C, KKᵀ, CCᵀ, m_K, m_C)`, cached until the factors change.
 
         \(K K^\top\) is None where it leaves the structure (then `precondition`
         applies \(K (K^\top \cdot)\)); the cache is derived data, not state.
@@ -354,8 +354,11 @@ class SINGD(Optimizer):
         """
         cached = self._cache.get(module)
         if cached is None:
-            K, C, _, _ = self._factors(module)
-            cached = self._cache[module] = (K, C, K.outer_self(), C.outer_self())
+            K, C, m_K, m_C = self._factors(module)
+            # At T = 1, K Kᵀ would serve one step: two thin products are cheaper.
+            reuse = self._group_of(module.weight)["T"] > 1
+            KKt, CCt = (K.outer_self(), C.outer_self()) if reuse else (None, None)
+            cached = self._cache[module] = (K, C, KKt, CCt, m_K, m_C)
         return cached
 
     # ------------------------------------------------------------------- hooks
@@ -386,7 +389,7 @@ class SINGD(Optimizer):
         """
         with torch.no_grad():
             group = self._group_of(module.weight)
-            K, C, _, _ = self._preconditioner(module)
+            K, C = self._preconditioner(module)[:2]
             approx, average = group["kfac_approx"], group["loss_average"]
             a = statistics.input_rows(module, x.to(K.dtype), approx)
             g = statistics.gradient_rows(module, grad_output, approx, average)
@@ -478,8 +481,14 @@ class SINGD(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf):
             return False
-        tensors = [statistics.grad_matrix(m) for _, _, _, m in layers]
-        tensors = [t for t in tensors if t is not None]
+        tensors = []
+        if found_inf is None:  # a GradScaler has checked the gradients already
+            tensors = [
+                p.grad
+                for _, _, _, module in layers
+                for p in module.parameters()
+                if p.grad is not None
+            ]
         for pending in self._pending.values():
             tensors += pending["H_K"].tensors() + pending["H_C"].tensors()
         return bool(all_finite(tensors))
@@ -522,7 +531,7 @@ class SINGD(Optimizer):
             return
         if grad_scale is not None:
             grad = grad / grad_scale.to(grad.dtype)
-        direction = precondition(grad, *self._preconditioner(module))
+        direction = precondition(grad, *self._preconditioner(module)[:4])
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
         if group["weight_decay"]:
             direction.add_(_as_matrix(params), alpha=group["weight_decay"])
@@ -557,7 +566,7 @@ class SINGD(Optimizer):
                     stacklevel=4,
                 )
             return
-        K, C, m_K, m_C = self._factors(module)
+        K, C, _, _, m_K, m_C = self._preconditioner(module)
         H_K, H_C = pending["H_K"], pending["H_C"]
         unscale = (pending["grad_scale"] / statistics_scale) ** 2
         nu = statistics.gradient_scale(group["loss_average"], pending["num_examples"])
@@ -581,10 +590,10 @@ class SINGD(Optimizer):
         for prefix, factor, momentum, increment in (
             ("K", K, m_K, increment_K),
             ("C", C, m_C, increment_C),
-        ):
-            new_factor, new_momentum = factor_step(factor, momentum, increment, hyper)
-            self._store_factor(state, prefix, new_factor)
-            self._store_factor(state, f"m_{prefix}", new_momentum)
+        ):  # the factors' tensors are the state's: updated in place
+            self._store_factor(
+                state, f"m_{prefix}", factor_step(factor, momentum, increment, hyper)
+            )
         self._cache.pop(module, None)
 
     def _apply_update(

@@ -58,7 +58,7 @@ def momentum_increment(
 
     Args:
         H: \(H_K = \Pi(K^\top U_K K)\) (consumed: updated in place).
-        KtK: \(\Pi(K^\top K)\).
+        KtK: \(\Pi(K^\top K)\) (consumed).
         trace_H_other: \(\bar{\mathrm{tr}}(H_C)\) of the other factor (0-d tensor).
         trace_KtK_other: \(\bar{\mathrm{tr}}(\Pi(C^\top C))\) of the other factor.
         hyper: The hyperparameters.
@@ -69,7 +69,9 @@ def momentum_increment(
     if hyper.kfac_like:
         increment = H.add_(KtK, alpha=hyper.damping)
     else:
-        increment = H.mul_(trace_H_other).add_(KtK * (trace_KtK_other * hyper.damping))
+        increment = H.mul_(trace_H_other).add_(
+            KtK.mul_(trace_KtK_other * hyper.damping)
+        )
     scale = 0.5 * (1.0 - hyper.alpha1) if hyper.normalize_lr_cov else 0.5
     return increment.diag_add_(-1.0).mul_(scale)
 
@@ -80,22 +82,23 @@ def factor_step(
     increment: StructuredMatrix,
     hyper: FactorHyperparameters,
 ) -> tuple[StructuredMatrix, StructuredMatrix]:
-    r"""Return the new factor and momentum, \(K - \beta_1 K m_K\) and \(m_K\).
+    r"""Update the factor in place, \(K \gets K - \beta_1 K m_K\); return the momentum.
 
     Args:
-        K: The factor.
+        K: The factor (updated in place).
         m_K: Its momentum before the step.
         increment: \(s \hat m_K\) from `momentum_increment` (consumed).
         hyper: The hyperparameters.
 
     Returns:
-        `(K_new, m_K_new)` with \(m_K^{\rm new} = \alpha_1 m_K + s \hat m_K\).
+        The new momentum \(\alpha_1 m_K + s \hat m_K\) (`increment`, updated).
     """
     m_new = increment.add_(m_K, alpha=hyper.alpha1) if hyper.alpha1 else increment
     lr: float | Tensor = hyper.lr_cov
     if hyper.normalize_lr_cov:
         lr = hyper.lr_cov / m_new.infinity_vector_norm().clamp(min=1.0)
-    return K - (K @ m_new) * lr, m_new
+    K.add_(K @ m_new, alpha=-lr)
+    return m_new
 
 
 def precondition(
@@ -137,6 +140,8 @@ def all_finite(tensors: list[Tensor]) -> Tensor:
     Returns:
         `torch.tensor(True)` for an empty list.
     """
-    if not tensors:
+    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
+    if not extremes:
         return torch.tensor(True)
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    # min and max propagate NaN and carry ±inf: two numbers per tensor, one pass
+    return torch.isfinite(torch.stack(extremes)).all()

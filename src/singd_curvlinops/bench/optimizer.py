@@ -275,6 +275,24 @@ def train_step(
     return loss.detach()
 
 
+def evaluate_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> float:
+    """Return the mean cross-entropy on the batch without gradients (no hooks fire).
+
+    Args:
+        model: The network.
+        inputs: The mini-batch's inputs.
+        targets: Class labels.
+
+    Returns:
+        The loss.
+    """
+    with torch.no_grad():
+        logits = model(inputs)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        ).item()
+
+
 def _tensors(value: Any) -> list[Tensor]:
     """Collect the tensors in nested state containers and structured matrices.
 
@@ -356,8 +374,9 @@ def measure(
 
     Returns:
         One record per model and configuration: `ms_per_step` (median),
-        `block_ms_per_step` (all rounds), `state_mib`, `final_loss` and the
-        ratios `vs_adamw` and `vs_reference` (ours only, else None).
+        `block_ms_per_step` (all rounds), `state_mib`, `final_loss` (on the
+        fixed batch after all steps) and the ratios `vs_adamw` and `vs_reference`
+        (ours only, else None).
     """
     runs = []
     for name in models:
@@ -379,20 +398,20 @@ def measure(
                 """
                 return train_step(model, optimizer, workload.inputs, workload.targets)
 
-            runs.append((name, config, optimizer, step, []))
-    for _, _, _, step, _ in runs:
+            runs.append((workload, model, config, optimizer, step, []))
+    for *_, step, _ in runs:
         for _ in range(warmup):
             step()
     for index in range(rounds):
-        for _, _, _, step, times in runs:
+        for *_, step, times in runs:
             times.append(_time_block(step, steps_per_block))
         if progress is not None:
             progress(f"round {index + 1}/{rounds} done")
     records = []
-    for name, config, optimizer, step, times in runs:
+    for workload, model, config, optimizer, _, times in runs:
         records.append(
             {
-                "model": name,
+                "model": workload.name,
                 "label": config.label,
                 "kind": config.kind,
                 "structure": config.structure,
@@ -400,7 +419,7 @@ def measure(
                 "ms_per_step": 1e3 * statistics.median(times),
                 "block_ms_per_step": [1e3 * t for t in times],
                 "state_mib": state_mib(optimizer),
-                "final_loss": float(step()),
+                "final_loss": evaluate_loss(model, workload.inputs, workload.targets),
             }
         )
     _add_ratios(records)
@@ -431,6 +450,18 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
         )
 
 
+def _format_ms(value: float) -> str:
+    """Format milliseconds with three significant digits, without exponents.
+
+    Args:
+        value: Milliseconds.
+
+    Returns:
+        E.g. `"12.3"`, `"0.456"` or `"1,780"`.
+    """
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def markdown_table(records: list[dict[str, Any]], model: str) -> str:
     """Render one model's records as a Markdown table.
 
@@ -452,7 +483,7 @@ def markdown_table(records: list[dict[str, Any]], model: str) -> str:
         vs_reference = record["vs_reference"]
         cells = [
             record["label"],
-            f"{record['ms_per_step']:.3g}",
+            _format_ms(record["ms_per_step"]),
             "—" if vs_adamw is None else f"{vs_adamw:.2f}×",
             "—" if vs_reference is None else f"{vs_reference:.2f}×",
             f"{record['state_mib']:.3g}",
@@ -574,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.rounds} blocks of {args.steps_per_block} steps "
         f"(zero_grad + forward + backward + step), {args.warmup} warm-up steps; "
         f"reference: {reference}; `ours / ref` > 1 means ours is slower; "
-        "peak memory: n/a on CPU, `state MiB` is the optimizer's state.\n"
+        "peak memory: n/a on CPU, `state MiB` is the optimizer's state; "
+        "`final loss` on the fixed batch after all steps.\n"
     )
     for model in args.models:
         print(f"### {model}\n")

@@ -355,9 +355,13 @@ class SINGD(Optimizer):
         cached = self._cache.get(module)
         if cached is None:
             K, C, m_K, m_C = self._factors(module)
-            # At T = 1, K Kᵀ would serve one step: two thin products are cheaper.
+            # Forming a dense K Kᵀ (d³) pays off only if it serves several steps;
+            # for sparse structures it costs less than applying K once.
             reuse = self._group_of(module.weight)["T"] > 1
-            KKt, CCt = (K.outer_self(), C.outer_self()) if reuse else (None, None)
+            KKt, CCt = (
+                M.outer_self() if reuse or M.numel() < M.dim**2 else None
+                for M in (K, C)
+            )
             cached = self._cache[module] = (K, C, KKt, CCt, m_K, m_C)
         return cached
 
@@ -394,7 +398,9 @@ class SINGD(Optimizer):
             a = statistics.input_rows(module, x.to(K.dtype), approx)
             g = statistics.gradient_rows(module, grad_output, approx, average)
             expected_scale = self._layer_state(module)["grad_scale"]
-            g = g.to(C.dtype) / expected_scale
+            g = g.to(C.dtype)
+            if expected_scale != 1.0:
+                g = g / expected_scale
             H_K, H_C = K.from_inner(a.T), C.from_inner(g.T)
             batch = x.shape[0]
             pending = self._pending.get(module)

@@ -148,11 +148,19 @@ def input_rows(module: Module, x: Tensor, kfac_approx: str) -> Tensor:
     batch_size = x.shape[0]
     if isinstance(module, Conv2d):
         x = _conv_patches(x, module, kfac_approx)
-    rows, shared = _shared_rows(x, kfac_approx, "mean")
+    if kfac_approx == KFACType.EXPAND:
+        scale = (batch_size * x.shape[1:-1].numel()) ** -0.5
+    else:
+        x, _ = _shared_rows(x, kfac_approx, "mean")
+        scale = batch_size**-0.5
+    # scale into a preallocated [rows, d_in (+1)] buffer: one pass over x in any
+    # layout, without flattening copies or a concatenation for the bias column
+    d_in = x.shape[-1]
+    a = x.new_empty(x.shape[:-1].numel(), d_in + int(module.bias is not None))
+    torch.mul(x, scale, out=a[:, :d_in].unflatten(0, x.shape[:-1]))
     if module.bias is not None:
-        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-    normaliser = batch_size * (shared if kfac_approx == KFACType.EXPAND else 1)
-    return rows / normaliser**0.5
+        a[:, d_in] = scale
+    return a
 
 
 def gradient_rows(

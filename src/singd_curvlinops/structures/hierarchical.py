@@ -152,19 +152,24 @@ class HierarchicalMatrix(StructuredMatrix):
     def _matmat(self, V: Tensor) -> Tensor:
         k1 = self.A.shape[0]
         V_top, V_mid, V_bot = V.split(self._sizes())
-        top = self.A @ V_top + self.B @ V[k1:]
-        mid = self.C.unsqueeze(1) * V_mid
-        bot = self.D @ V_mid + self.E @ V_bot
-        return torch.cat([top, mid, bot])
+        out = V.new_empty(V.shape)  # blocks written in place: no temporaries
+        top, mid, bot = out.split(self._sizes())
+        torch.mm(self.A, V_top, out=top).addmm_(self.B, V[k1:])
+        torch.mul(self.C.unsqueeze(1), V_mid, out=mid)
+        torch.mm(self.D, V_mid, out=bot).addmm_(self.E, V_bot)
+        return out
 
     @override
     def _rmatmat(self, V: Tensor) -> Tensor:
         V_top, V_mid, V_bot = V.split(self._sizes())
         B_C, B_E = self.B.split(self._sizes()[1:], dim=1)
-        top = self.A.T @ V_top
-        mid = B_C.T @ V_top + self.C.unsqueeze(1) * V_mid + self.D.T @ V_bot
-        bot = B_E.T @ V_top + self.E.T @ V_bot
-        return torch.cat([top, mid, bot])
+        out = V.new_empty(V.shape)
+        top, mid, bot = out.split(self._sizes())
+        torch.mm(self.A.T, V_top, out=top)
+        torch.mul(self.C.unsqueeze(1), V_mid, out=mid)
+        mid.addmm_(B_C.T, V_top).addmm_(self.D.T, V_bot)
+        torch.mm(B_E.T, V_top, out=bot).addmm_(self.E.T, V_bot)
+        return out
 
     @override
     def _matmul_structure(self, other: HierarchicalMatrix) -> HierarchicalMatrix:

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
-from singd_curvlinops import statistics
+from singd_curvlinops import distributed, statistics
 from singd_curvlinops._hyperparameters import CALLABLE_LR_COV, check_group
 from singd_curvlinops.structures import StructuredMatrix, get_structure
 from singd_curvlinops.update import (
@@ -133,9 +134,16 @@ class SINGD(Optimizer):
             "normalize_lr_cov": normalize_lr_cov,
         }
         check_group(dict(defaults))
-        self._model = getattr(
-            model, "module", model
-        )  # unwrap (Distributed)DataParallel
+        if isinstance(model, DistributedDataParallel) and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        ):
+            raise ValueError(
+                "model is wrapped in DistributedDataParallel, but no torch.distributed "
+                "process group is initialised (call init_process_group first)."
+            )
+        if isinstance(model, (DataParallel, DistributedDataParallel)):
+            model = model.module  # hooks go on the wrapped layers
+        self._model = model
         self._layers = {
             module.weight: (name, module)
             for name, module in self._model.named_modules()
@@ -153,6 +161,7 @@ class SINGD(Optimizer):
         self._pending: dict[Module, dict[str, Any]] = {}
         self._cache: dict[Module, tuple] = {}
         self._warned_no_statistics: set[str] = set()
+        self._verified_configuration = ""
         self._init_grad_scale = float(init_grad_scale)
         super().__init__(params, defaults)
 
@@ -239,6 +248,7 @@ class SINGD(Optimizer):
                 )
             self._group_index[weight] = index
             self._hooks[module] = module.register_forward_hook(self._forward_hook)
+            self._layer_state(module)  # eager: state_dict() is complete from the start
 
     def _group_of(self, weight: Parameter) -> dict[str, Any]:
         """Return the parameter group that holds a layer.
@@ -459,6 +469,8 @@ class SINGD(Optimizer):
             if grad_scale is not None
             else self.__dict__.pop("_current_grad_scale", None)
         )
+        if distributed.world_size() > 1:
+            self._all_reduce_statistics(layers)
         if not self._all_finite(layers):
             self._skip_step()
             if current_scale is not None:  # the next pass runs at (about) this scale
@@ -472,6 +484,52 @@ class SINGD(Optimizer):
             self._step_layer(group, name, module, grad_scale, statistics_scale)
             state["grad_scale"] = statistics_scale
         return loss
+
+    def _all_reduce_statistics(self, layers: list) -> None:
+        """Replace the pending statistics by those of all processes (data parallel).
+
+        Every process takes part for every layer due for an update, with zero
+        statistics where its hooks did not fire; see `distributed` for the math.
+
+        Args:
+            layers: `(group, weight, name, module)` tuples, in parameter order.
+        """
+        description = ";".join(
+            f"{name}:{statistics.factor_dims(module)}:{group['structures']}:"
+            f"{group['T']}:{group['loss_average']}:{group['kfac_approx']}"
+            for group, _, name, module in layers
+        )
+        if description != self._verified_configuration:
+            distributed.check_same_configuration(description, layers[0][1].device)
+            self._verified_configuration = description
+        due = [
+            (module, *self._preconditioner(module)[:2])
+            for group, _, _, module in layers
+            if self._layer_state(module)["step"] % group["T"] == 0
+        ]
+        if not due:
+            return
+        entries = []
+        for module, K, C in due:
+            pending = self._pending.get(module)
+            if pending is None:
+                zeros_K = K.zeros(K.dim, dtype=K.dtype, device=K.device)
+                zeros_C = C.zeros(C.dim, dtype=C.dtype, device=C.device)
+                entries.append((zeros_K, zeros_C, 0))
+            else:
+                entries.append(
+                    (pending["H_K"], pending["H_C"], pending["num_examples"])
+                )
+        totals = distributed.all_reduce_statistics(entries)
+        for (module, _, _), (H_K, H_C, _), total in zip(
+            due, entries, totals, strict=True
+        ):
+            if total == 0:
+                self._pending.pop(module, None)
+                continue
+            scale = self._layer_state(module)["grad_scale"]
+            pending = self._pending.setdefault(module, {"grad_scale": scale})
+            pending.update({"H_K": H_K, "H_C": H_C, "num_examples": total})
 
     def _all_finite(self, layers: list) -> bool:
         """Check gradients and pending statistics for infinities and NaNs.
@@ -742,6 +800,7 @@ class SINGD(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_pending", {})
         self.__dict__.setdefault("_cache", {})
+        self.__dict__.setdefault("_verified_configuration", "")
         self.__dict__.setdefault("_warned_no_statistics", set())
         self.__dict__.setdefault("_init_grad_scale", 1.0)
 

@@ -320,9 +320,16 @@ def test_state_of_wider_model_names_the_layer(tmp_path: Path) -> None:
     other_model, other_opt = setup(model_fn=make_wider_model)
     train(other_model, other_opt, data)
     model, opt = setup()
+    before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match="layer '0'.*another model"):
         opt.load_state_dict(save_load(other_opt.state_dict(), tmp_path / "o.pt"))
-    assert len(opt.state) == 0
+    after = opt.state_dict()
+    assert before["state"].keys() == after["state"].keys()
+    for index, entries in before["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(after["state"][index][key])
+            )
 
 
 # ------------------------------------------------------ 4. callable lr_cov

@@ -284,6 +284,9 @@ class SINGD(Optimizer):
             state["step"] = 0
             # scale of the output gradients expected in the next backward pass
             state["grad_scale"] = self._init_grad_scale
+            for param in module.parameters():  # every parameter has state (as DCP
+                # expects); a zero buffer makes the first momentum step the step
+                self.state[param]["momentum_buffer"] = torch.zeros_like(param)
         return state
 
     @staticmethod
@@ -675,13 +678,8 @@ class SINGD(Optimizer):
             steps.append(direction[:, -1].reshape_as(params[1]))
         for param, step in zip(params, steps, strict=True):
             if group["momentum"]:
-                state = self.state[param]
-                buffer = state.get("momentum_buffer")
-                if buffer is None:
-                    state["momentum_buffer"] = buffer = step.clone()
-                else:
-                    buffer.mul_(group["momentum"]).add_(step)
-                step = buffer  # noqa: PLW2901
+                buffer = self.state[param]["momentum_buffer"]
+                step = buffer.mul_(group["momentum"]).add_(step)  # noqa: PLW2901
             param.add_(step, alpha=-group["lr"])
 
     # ------------------------------------------------------------- checkpoints

@@ -4,6 +4,7 @@ The package is built up issue by issue; today it provides the structured matrice
 (`singd_curvlinops.structures`) in which SINGD's Kronecker factors live.
 """
 
+from singd_curvlinops.linear_operator import SINGDLinearOperator
 from singd_curvlinops.optimizer import SINGD
 from singd_curvlinops.structures import (
     StructuredMatrix,
@@ -11,5 +12,11 @@ from singd_curvlinops.structures import (
     register_structure,
 )
 
-__all__ = ["SINGD", "StructuredMatrix", "get_structure", "register_structure"]
+__all__ = [
+    "SINGD",
+    "SINGDLinearOperator",
+    "StructuredMatrix",
+    "get_structure",
+    "register_structure",
+]
 __version__ = "0.1.0.dev0"

@@ -160,6 +160,7 @@ class SINGD(Optimizer):
         self._group_index: dict[Parameter, int] = {}
         self._pending: dict[Module, dict[str, Any]] = {}
         self._cache: dict[Module, tuple] = {}
+        self._curvature: dict[Module, tuple[Tensor, Tensor]] = {}
         self._warned_no_statistics: set[str] = set()
         self._verified_configuration = ""
         self._init_grad_scale = float(init_grad_scale)
@@ -432,6 +433,51 @@ class SINGD(Optimizer):
             pending["H_C"].add_(H_C)
             pending["num_examples"] = total
 
+    # --------------------------------------------------------------- curvature
+    def set_curvature(self, kfac: Any) -> None:
+        r"""Take the next factor update's statistics from a curvlinops KFAC operator.
+
+        Instead of the empirical Fisher of the training pass, the next update of each
+        layer uses \(H_K = \Pi(K^\top A K)\) and \(H_C = \Pi(C^\top G C)\) with the
+        operator's Kronecker factors \(A\), \(G\): any `fisher_type` (empirical,
+        Monte-Carlo, type-2, forward-only) and any data. The operator's factors are
+        computed now if they were not yet.
+
+        Args:
+            kfac: A `curvlinops.KFACLinearOperator` over this optimizer's layers,
+                built with `separate_weight_and_bias=False`.
+
+        Raises:
+            ValueError: If the operator covers other layers than the optimizer, or
+                its factors do not match the layers' dimensions.
+        """
+        factors = statistics.kfac_factors(kfac)
+        ours = {w for g in self.param_groups for w in g["params"] if w in self._layers}
+
+        def names(weights: set) -> list[str]:
+            return sorted(
+                self._layers[w][0] if w in self._layers else str(tuple(w.shape))
+                for w in weights
+            )
+
+        if set(factors) != ours:
+            raise ValueError(
+                "The KFACLinearOperator must cover exactly the optimizer's layers: "
+                f"missing {names(ours - set(factors))}, extra "
+                f"{names(set(factors) - ours)}."
+            )
+        curvature = {}
+        for weight, (U_K, U_C) in factors.items():
+            name, module = self._layers[weight]
+            if (U_K.shape[0], U_C.shape[0]) != statistics.factor_dims(module):
+                raise ValueError(
+                    f"Layer {name!r}: the operator's factors have dimensions "
+                    f"{(U_K.shape[0], U_C.shape[0])}, the layer "
+                    f"{statistics.factor_dims(module)} (is the bias included?)."
+                )
+            curvature[module] = (U_K.detach(), U_C.detach())
+        self._curvature = curvature
+
     # -------------------------------------------------------------------- step
     def set_current_grad_scale(self, grad_scale: float) -> None:
         """Tell the optimizer the gradient scale of the current backward pass.
@@ -621,8 +667,15 @@ class SINGD(Optimizer):
             state: Its state.
             statistics_scale: Scale of the output gradients in the statistics.
         """
+        curvature = self._curvature.pop(module, None)
         pending = self._pending.pop(module, None)
-        if pending is None:
+        K, C, _, _, m_K, m_C = self._preconditioner(module)
+        if curvature is not None:  # statistics handed over by set_curvature
+            H_K, H_C = (
+                M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
+                for M, U in ((K, curvature[0]), (C, curvature[1]))
+            )
+        elif pending is None:
             if name not in self._warned_no_statistics:
                 self._warned_no_statistics.add(name)
                 warnings.warn(
@@ -633,11 +686,11 @@ class SINGD(Optimizer):
                     stacklevel=4,
                 )
             return
-        K, C, _, _, m_K, m_C = self._preconditioner(module)
-        H_K, H_C = pending["H_K"], pending["H_C"]
-        unscale = (pending["grad_scale"] / statistics_scale) ** 2
-        nu = statistics.gradient_scale(group["loss_average"], pending["num_examples"])
-        H_C.mul_(nu * unscale)
+        else:
+            H_K, H_C = pending["H_K"], pending["H_C"]
+            unscale = (pending["grad_scale"] / statistics_scale) ** 2
+            N = pending["num_examples"]
+            H_C.mul_(statistics.gradient_scale(group["loss_average"], N) * unscale)
         KtK, CtC = K.from_inner(), C.from_inner()
         traces = [M.average_trace() for M in (H_K, H_C, KtK, CtC)]
         lr_cov = group["lr_cov"]
@@ -798,9 +851,22 @@ class SINGD(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_pending", {})
         self.__dict__.setdefault("_cache", {})
+        self.__dict__.setdefault("_curvature", {})
         self.__dict__.setdefault("_verified_configuration", "")
         self.__dict__.setdefault("_warned_no_statistics", set())
         self.__dict__.setdefault("_init_grad_scale", 1.0)
+
+
+def _symmetric(mat: Tensor) -> Tensor:
+    """Return the symmetric part of a square matrix (removes round-off asymmetry).
+
+    Args:
+        mat: Square matrix.
+
+    Returns:
+        `(mat + mat.T) / 2`.
+    """
+    return (mat + mat.T) / 2
 
 
 def _as_matrix(params: list[Parameter]) -> Tensor:

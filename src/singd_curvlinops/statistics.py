@@ -32,14 +32,14 @@ curvlinops' `num_per_example_loss_terms` when every position carries a loss term
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from curvlinops.kfac import KFACType
+from curvlinops.kfac import KFACLinearOperator, KFACType
 from curvlinops.kfac_utils import extract_averaged_patches, extract_patches
 from einconv.utils import get_conv_paddings
 from torch import Tensor
-from torch.nn import Conv2d, Linear, Module
+from torch.nn import Conv2d, Linear, Module, Parameter
 
 LossAverage = Literal["batch", "batch+sequence"] | None
 LOSS_AVERAGES: tuple[LossAverage, ...] = (None, "batch", "batch+sequence")
@@ -219,6 +219,45 @@ def grad_matrix(module: Module) -> Tensor | None:
     if bias_grad is None:
         bias_grad = torch.zeros_like(module.bias)
     return torch.cat([grad, bias_grad.unsqueeze(1)], dim=1)
+
+
+def kfac_factors(kfac: Any) -> dict[Parameter, tuple[Tensor, Tensor]]:
+    r"""Read the Kronecker factors \((U_K, U_C)\) of a `KFACLinearOperator` per layer.
+
+    The operator must be built with `separate_weight_and_bias=False`, so that its
+    input factor carries the bias column, as SINGD's \(K\) does. Factors are
+    computed first if the operator has not done so yet.
+
+    Args:
+        kfac: A `curvlinops.KFACLinearOperator`.
+
+    Returns:
+        Map from each layer's weight to (input covariance `[d_K, d_K]`, gradient
+        covariance `[d_C, d_C]`).
+
+    Raises:
+        TypeError: If `kfac` is not a `KFACLinearOperator`.
+        ValueError: If it separates weight and bias.
+    """
+    if not isinstance(kfac, KFACLinearOperator):
+        raise TypeError(
+            f"Expected a curvlinops.KFACLinearOperator, got {type(kfac).__name__}."
+        )
+    if kfac._separate_weight_and_bias:
+        raise ValueError(
+            "The KFACLinearOperator must be built with separate_weight_and_bias=False "
+            "(SINGD's input factor includes the bias column)."
+        )
+    if not kfac._input_covariances or not kfac._gradient_covariances:
+        kfac.compute_kronecker_factors()
+    factors = {}
+    for name, positions in kfac._mapping.items():
+        weight = kfac._params[positions["weight"]]
+        factors[weight] = (
+            kfac._input_covariances[name],
+            kfac._gradient_covariances[name],
+        )
+    return factors
 
 
 def check_kfac_approx(kfac_approx: object) -> str:

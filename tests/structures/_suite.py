@@ -21,6 +21,7 @@ from singd_curvlinops.structures import (
 )
 
 FLOAT64_RTOL = 1e-12
+SOLVE_RTOL = 1e-10  # solves lose a factor of the condition number (here <= 42)
 DTYPE_RTOL = {
     torch.float64: 1e-12,
     torch.float32: 2e-5,
@@ -77,6 +78,21 @@ class StructureSuite:
         K = self.cls.from_dense(S1) @ self.cls.from_dense(S2)
         return K, self.project(S1) @ self.project(S2)
 
+    def invertible_element(
+        self, dim: int, margin: float = 0.05
+    ) -> tuple[StructuredMatrix, Tensor]:
+        """A generic element, scaled and shifted to be strictly diagonally dominant.
+
+        After scaling to largest absolute row sum 1 and adding `(1 + margin) I`, every
+        row has |K_ii| - sum_{j != i} |K_ij| >= margin, so ||K^-1||_inf <= 1 / margin
+        and the condition number is at most (2 + margin) / margin.
+        """
+        K, K_dense = self.random_element(dim)
+        scale = 1.0 / K_dense.abs().sum(1).max().item()
+        K.mul_(scale).diag_add_(1.0 + margin)
+        eye = torch.eye(dim, dtype=K_dense.dtype)
+        return K, scale * K_dense + (1.0 + margin) * eye
+
     # ------------------------------------------------------------- float64 ops
     def test_from_dense_is_projection(self, dim: int) -> None:
         S = random_symmetric(dim)
@@ -126,6 +142,30 @@ class StructureSuite:
         )
         assert_close(K.rmatmat(V), K_dense.T @ V)
         assert_close(K.rmatmat(v), K_dense.T @ v)
+
+    def test_solve(self, dim: int) -> None:
+        K, K_dense = self.invertible_element(dim)
+        V, v = (
+            torch.randn(dim, 3, dtype=torch.float64),
+            torch.randn(dim, dtype=torch.float64),
+        )
+        V_before = V.clone()
+        assert_close(K.solve(V), torch.linalg.solve(K_dense, V), SOLVE_RTOL)
+        assert_close(K.solve(v), torch.linalg.solve(K_dense, v), SOLVE_RTOL)
+        assert torch.equal(V, V_before)
+        assert_close(K.to_dense(), K_dense)  # K is left unchanged
+
+    def test_rsolve(self, dim: int) -> None:
+        K, K_dense = self.invertible_element(dim)
+        V, v = (
+            torch.randn(dim, 3, dtype=torch.float64),
+            torch.randn(dim, dtype=torch.float64),
+        )
+        V_before = V.clone()
+        assert_close(K.rsolve(V), torch.linalg.solve(K_dense.T, V), SOLVE_RTOL)
+        assert_close(K.rsolve(v), torch.linalg.solve(K_dense.T, v), SOLVE_RTOL)
+        assert torch.equal(V, V_before)
+        assert_close(K.to_dense(), K_dense)
 
     def test_matmul_structure_stays_in_structure(self, dim: int) -> None:
         (K1, K1_dense), (K2, K2_dense) = (
@@ -217,6 +257,7 @@ class StructureSuite:
 
     def test_no_dense_fallback(self, dim: int) -> None:
         K, _ = self.random_element(dim)
+        A, _ = self.invertible_element(dim)
         X = torch.randn(dim, 3, dtype=torch.float64)
         with warnings.catch_warnings():
             warnings.simplefilter("error", DenseFallbackWarning)
@@ -226,6 +267,7 @@ class StructureSuite:
             K @ X, K.rmatmat(X), K @ K, K.from_inner(X), K.from_inner()
             K + K, K * 2.0, K.add_(K.clone(), alpha=0.5).mul_(0.5).diag_add_(0.1)
             K.average_trace(), K.frobenius_norm(), K.infinity_vector_norm(), K.dim
+            A.solve(X), A.rsolve(X), A.solve(X[:, 0]), A.rsolve(X[:, 0])
 
     # ------------------------------------------------------------------ dtypes
     @pytest.mark.parametrize(
@@ -252,7 +294,14 @@ class StructureSuite:
         for low, high in checks:
             assert low.dtype == dtype and all(t.dtype == dtype for t in low.tensors())
             assert_close(low.to_dense(), high.to_dense(), rtol=rtol)
-        for low, high in [(K @ X, K64 @ X64), (K.rmatmat(X), K64.rmatmat(X64))]:
+        A = self.invertible_element(dim, margin=1.0)[0].to(dtype)  # cond(A) <= 3
+        A64 = A.to(torch.float64)
+        for low, high in [
+            (K @ X, K64 @ X64),
+            (K.rmatmat(X), K64.rmatmat(X64)),
+            (A.solve(X), A64.solve(X64)),
+            (A.rsolve(X), A64.rsolve(X64)),
+        ]:
             assert low.dtype == dtype
             assert_close(low, high, rtol=rtol)
         # the trace may cancel: measure its error against the mean absolute diagonal

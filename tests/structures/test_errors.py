@@ -56,6 +56,11 @@ def test_bad_dense_operands(name):
         K @ torch.ones(4, dtype=torch.float64)
     with pytest.raises(TypeError, match="floating-point"):
         K @ torch.ones(4, dtype=torch.int64)
+    for solve in (K.solve, K.rsolve):
+        with pytest.raises(ValueError, match=r"shape \[d\] or \[d, n\] with d = 4"):
+            solve(torch.ones(5, 2))
+        with pytest.raises(ValueError, match="dtype"):
+            solve(torch.ones(4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"\[d, n\]"):
         K.from_inner(torch.ones(4))
     with pytest.raises(TypeError, match="structured matrix"):

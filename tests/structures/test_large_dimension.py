@@ -51,3 +51,6 @@ def test_operations_at_200k(name: str) -> None:
     KtX = K.rmatmat(X)
     assert torch.allclose(H.average_trace(), KtX.square().sum() / DIM, rtol=1e-9)
     assert torch.isfinite(H.frobenius_norm())
+    # solves invert the products: K (K⁻¹ V) = V and Kᵀ (K⁻ᵀ V) = V
+    assert torch.allclose(K @ K.solve(V), V, rtol=0, atol=1e-9)
+    assert torch.allclose(K.rmatmat(K.rsolve(V)), V, rtol=0, atol=1e-9)

@@ -99,6 +99,11 @@ def test_register_user_structure_with_dense_fallbacks():
                 torch.tensor(3.0, dtype=torch.float64),
             )
         assert torch.allclose((K @ K).to_dense(), torch.eye(3, dtype=torch.float64))
+        V = torch.randn(3, 2, dtype=torch.float64)
+        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.solve"):
+            assert torch.allclose((K * 2.0).solve(V), V / 2)
+        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.rsolve"):
+            assert torch.allclose((K * 4.0).rsolve(V[:, 0]), V[:, 0] / 4)
     finally:
         unregister_structure("scaledidentity")
     with pytest.raises(ValueError, match="Unknown structure"):

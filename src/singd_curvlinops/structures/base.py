@@ -16,8 +16,9 @@ Contract for subclasses:
   `_matmul_structure` (the product of two matrices of the structure). Everything
   else has a dense fallback here that emits a `DenseFallbackWarning`. The built-in
   structures override every operation the optimizer uses (`dim`, `zeros`, `eye`,
-  `from_mat_inner`, `_matmat`, `_rmatmat`, `_from_inner_identity`, `diag_add_`,
-  `average_trace`, `frobenius_norm`), and the tests assert that no fallback fires.
+  `from_mat_inner`, `_matmat`, `_rmatmat`, `_solve`, `_rsolve`,
+  `_from_inner_identity`, `diag_add_`, `average_trace`, `frobenius_norm`), and the
+  tests assert that no fallback fires.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from singd_curvlinops.structures._checks import (
     check_same_structure,
     check_square,
 )
+from singd_curvlinops.structures._linalg import solve_dense
 
 Scalar = float | int | Tensor
 
@@ -287,9 +289,7 @@ class StructuredMatrix(ABC):
         if not isinstance(other, Tensor):
             return NotImplemented
         V = check_operand(other, self.dim, self.dtype, "other")
-        if V.ndim == 1:
-            return self._matmat(V.unsqueeze(1)).squeeze(1)
-        return self._matmat(V)
+        return _on_columns(self._matmat, V)
 
     def rmatmat(self, mat: Tensor) -> Tensor:
         r"""Return \(K^\top V\) for a tensor `mat` \(= V\) of shape `[d]` or `[d, n]`.
@@ -301,9 +301,40 @@ class StructuredMatrix(ABC):
             Tensor with the shape of `mat`.
         """
         V = check_operand(mat, self.dim, self.dtype, "mat")
-        if V.ndim == 1:
-            return self._rmatmat(V.unsqueeze(1)).squeeze(1)
-        return self._rmatmat(V)
+        return _on_columns(self._rmatmat, V)
+
+    def solve(self, mat: Tensor) -> Tensor:
+        r"""Return \(K^{-1} V\) for a tensor `mat` \(= V\), shape `[d]` or `[d, n]`.
+
+        The built-in structures solve through their structure (division,
+        substitution, batched LU solves of dense blocks, FFT convolution), at about
+        the cost of a product; no inverse matrix is formed. \(K\) must be
+        invertible; this is not checked, since a check would synchronise with the
+        host.
+
+        Args:
+            mat: Tensor of shape `[d]` or `[d, n]`.
+
+        Returns:
+            Tensor with the shape of `mat`.
+        """
+        V = check_operand(mat, self.dim, self.dtype, "mat")
+        return _on_columns(self._solve, V)
+
+    def rsolve(self, mat: Tensor) -> Tensor:
+        r"""Return \(K^{-\top} V\) for a tensor `mat` \(= V\), shape `[d]` or `[d, n]`.
+
+        Together with `solve` this applies \((K K^\top)^{-1} = K^{-\top} K^{-1}\)
+        without forming a dense inverse. \(K\) must be invertible (not checked).
+
+        Args:
+            mat: Tensor of shape `[d]` or `[d, n]`.
+
+        Returns:
+            Tensor with the shape of `mat`.
+        """
+        V = check_operand(mat, self.dim, self.dtype, "mat")
+        return _on_columns(self._rsolve, V)
 
     def _matmat(self, V: Tensor) -> Tensor:
         """Return `self @ V` for a validated `V` of shape `[d, n]`.
@@ -328,6 +359,30 @@ class StructuredMatrix(ABC):
         """
         self._warn_dense_fallback("rmatmat")
         return self.to_dense().T @ V
+
+    def _solve(self, V: Tensor) -> Tensor:
+        """Return `self⁻¹ @ V` for a validated `V` of shape `[d, n]`.
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """
+        self._warn_dense_fallback("solve")
+        return solve_dense(self.to_dense(), V)
+
+    def _rsolve(self, V: Tensor) -> Tensor:
+        """Return `self⁻ᵀ @ V` for a validated `V` of shape `[d, n]`.
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """
+        self._warn_dense_fallback("rsolve")
+        return solve_dense(self.to_dense(), V, transpose=True)
 
     @abstractmethod
     def _matmul_structure(self, other: StructuredMatrix) -> StructuredMatrix:
@@ -602,6 +657,21 @@ class StructuredMatrix(ABC):
             `dim`.
         """
         return check_dim(dim)
+
+
+def _on_columns(hook: Callable[[Tensor], Tensor], V: Tensor) -> Tensor:
+    """Apply a hook for matrices `[d, n]` to a vector `[d]` or a matrix.
+
+    Args:
+        hook: Function of a matrix of shape `[d, n]`.
+        V: Validated tensor of shape `[d]` or `[d, n]`.
+
+    Returns:
+        `hook(V)`, with the shape of `V`.
+    """
+    if V.ndim == 1:
+        return hook(V.unsqueeze(1)).squeeze(1)
+    return hook(V)
 
 
 def _is_scalar(value: object) -> bool:

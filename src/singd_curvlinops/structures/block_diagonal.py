@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from singd_curvlinops.structures._linalg import solve_dense
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
 
@@ -144,6 +145,26 @@ class BlockDiagonalMatrix(StructuredMatrix):
         V_blocks, V_last = self._split_rows(V)
         return torch.cat(
             [(self.blocks.mT @ V_blocks).flatten(0, 1), self.last.T @ V_last]
+        )
+
+    @override
+    def _solve(self, V: Tensor) -> Tensor:
+        r"""Block \(i\) of \(K^{-1} V\) is \(A_i^{-1} V_i\): one batched LU solve, \(O(dB^2 + dBn)\)."""  # noqa: E501
+        V_blocks, V_last = self._split_rows(V)
+        return torch.cat(
+            [
+                solve_dense(self.blocks, V_blocks).flatten(0, 1),
+                solve_dense(self.last, V_last),
+            ]
+        )
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""Block \(i\) of \(K^{-\top} V\) is \(A_i^{-\top} V_i\): batched LU solve."""
+        V_blocks, V_last = self._split_rows(V)
+        blocks = solve_dense(self.blocks, V_blocks, transpose=True)
+        return torch.cat(
+            [blocks.flatten(0, 1), solve_dense(self.last, V_last, transpose=True)]
         )
 
     @override

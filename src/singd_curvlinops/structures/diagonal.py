@@ -67,6 +67,16 @@ class DiagonalMatrix(StructuredMatrix):
         return self.diag.unsqueeze(1) * V
 
     @override
+    def _solve(self, V: Tensor) -> Tensor:
+        r"""\(D^{-1} V\) divides row \(i\) by \(\delta_i\), O(dn)."""
+        return V / self.diag.unsqueeze(1)
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""\(D^{-\top} = D^{-1}\) for a diagonal \(D\)."""
+        return V / self.diag.unsqueeze(1)
+
+    @override
     def _matmul_structure(self, other: DiagonalMatrix) -> DiagonalMatrix:
         return DiagonalMatrix(self.diag * other.diag)
 

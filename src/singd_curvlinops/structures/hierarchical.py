@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from singd_curvlinops.structures._linalg import solve_dense
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
 
@@ -170,6 +171,24 @@ class HierarchicalMatrix(StructuredMatrix):
         mid.addmm_(B_C.T, V_top).addmm_(self.D.T, V_bot)
         torch.mm(B_E.T, V_top, out=bot).addmm_(self.E.T, V_bot)
         return out
+
+    @override
+    def _solve(self, V: Tensor) -> Tensor:
+        r"""Back substitution: \(x_c = v_c / c\), \(x_E = E^{-1}(v_E - D x_c)\), \(x_A = A^{-1}(v_A - B x_{cE})\)."""  # noqa: E501
+        V_top, V_mid, V_bot = V.split(self._sizes())
+        mid = V_mid / self.C.unsqueeze(1)
+        rest = torch.cat([mid, solve_dense(self.E, V_bot - self.D @ mid)])
+        return torch.cat([solve_dense(self.A, V_top - self.B @ rest), rest])
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""\(K^\top\) is block lower triangular: \(y_A = A^{-\top} v_A\), \(y_E = E^{-\top}(v_E - B_E^\top y_A)\), \(y_c = (v_c - B_C^\top y_A - D^\top y_E) / c\)."""  # noqa: E501
+        V_top, V_mid, V_bot = V.split(self._sizes())
+        B_C, B_E = self.B.split(self._sizes()[1:], dim=1)
+        top = solve_dense(self.A, V_top, transpose=True)
+        bot = solve_dense(self.E, V_bot - B_E.T @ top, transpose=True)
+        mid = (V_mid - B_C.T @ top - self.D.T @ bot) / self.C.unsqueeze(1)
+        return torch.cat([top, mid, bot])
 
     @override
     def _matmul_structure(self, other: HierarchicalMatrix) -> HierarchicalMatrix:

@@ -12,6 +12,7 @@ from singd_curvlinops.structures._fft import (
     cross_correlation,
     diagonal_sums,
     diagonal_sums_of_gram,
+    power_series_inverse,
 )
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
@@ -118,6 +119,18 @@ class _TriangularToeplitzMatrix(StructuredMatrix):
         lengths = torch.arange(self.dim, 0, -1, dtype=c.dtype, device=c.device)
         return (lengths * c.square()).sum().sqrt()
 
+    def _inverse_diags(self) -> Tensor:
+        r"""Return the diagonals of \(K^{-1}\), the power series inverse of \(c\).
+
+        The inverse of a triangular Toeplitz matrix is triangular Toeplitz (the
+        structure is a group), and its diagonals \(g\) satisfy
+        \(c(x)\, g(x) = 1 \bmod x^d\) because products are polynomial products.
+
+        Returns:
+            Vector \(g\) of shape `[d]`, in at least float32.
+        """
+        return power_series_inverse(self.diags)
+
     def _band_offsets(self) -> Tensor:
         """Return the matrix `i - j` of row minus column indices.
 
@@ -151,6 +164,16 @@ class TrilToeplitzMatrix(_TriangularToeplitzMatrix):
     def _rmatmat(self, V: Tensor) -> Tensor:
         return anticausal_convolution(self.diags, V)
 
+    @override
+    def _solve(self, V: Tensor) -> Tensor:
+        r"""\(L^{-1}\) is lower Toeplitz with diagonals \(g = 1/c \bmod x^d\): one convolution."""  # noqa: E501
+        return causal_convolution(self._inverse_diags(), V)
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""\(L^{-\top} = (L^{-1})^\top\) is upper Toeplitz with diagonals \(g\)."""
+        return anticausal_convolution(self._inverse_diags(), V)
+
 
 class TriuToeplitzMatrix(_TriangularToeplitzMatrix):
     r"""Upper-triangular Toeplitz matrix, \(K_{ij} = c_{j-i}\) for \(j \ge i\).
@@ -174,3 +197,13 @@ class TriuToeplitzMatrix(_TriangularToeplitzMatrix):
     @override
     def _rmatmat(self, V: Tensor) -> Tensor:
         return causal_convolution(self.diags, V)
+
+    @override
+    def _solve(self, V: Tensor) -> Tensor:
+        r"""\(U^{-1} = (L^{-1})^\top\) for \(L = U^\top\): upper Toeplitz with diagonals \(g\)."""  # noqa: E501
+        return anticausal_convolution(self._inverse_diags(), V)
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""\(U^{-\top} = L^{-1}\) is lower Toeplitz with diagonals \(g = 1/c \bmod x^d\)."""  # noqa: E501
+        return causal_convolution(self._inverse_diags(), V)

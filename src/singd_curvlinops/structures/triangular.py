@@ -12,7 +12,11 @@ Each of the four structures is \(\mathrm{diag}(\delta)\) plus the off-diagonal p
 
 A column structure is \(K = D + \hat v e_p^\top\) (\(\hat v\) is \(v\) with a zero
 inserted at \(p\)), a row structure its transpose \(K = D + e_p \hat v^\top\). All
-products are rank-one corrections of diagonal scalings: \(O(d)\) per column.
+products are rank-one corrections of diagonal scalings: \(O(d)\) per column. So are
+the solves: because \(\hat v_p = 0\), \((D + \hat v e_p^\top)^{-1} = D^{-1} - D^{-1}
+\hat v e_p^\top / \delta_p\) and \((D + e_p \hat v^\top)^{-1} = D^{-1} - e_p \hat
+v^\top D^{-1} / \delta_p\) (Sherman-Morrison, whose denominator is
+\(1 + \hat v_p / \delta_p = 1\)).
 """
 
 from __future__ import annotations
@@ -137,6 +141,34 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
         out[p] += self.line @ V[rest]
         return out
 
+    def _solve_column(self, V: Tensor) -> Tensor:
+        r"""Return \((D + \hat v e_p^\top)^{-1} V\): \(x_p = V_p / \delta_p\), then \(x_{\bar p} = (V_{\bar p} - v x_p) / \delta_{\bar p}\).
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """  # noqa: E501
+        p, rest = self._pivot(self.dim)
+        out = V / self.diag.unsqueeze(1)
+        out[rest] -= (self.line / self.diag[rest]).unsqueeze(1) * out[p]
+        return out
+
+    def _solve_row(self, V: Tensor) -> Tensor:
+        r"""Return \((D + e_p \hat v^\top)^{-1} V\): \(x_{\bar p} = V_{\bar p} / \delta_{\bar p}\), then \(x_p = (V_p - v^\top x_{\bar p}) / \delta_p\).
+
+        Args:
+            V: Matrix of shape `[d, n]`.
+
+        Returns:
+            Matrix of shape `[d, n]`.
+        """  # noqa: E501
+        p, rest = self._pivot(self.dim)
+        out = V / self.diag.unsqueeze(1)
+        out[p] -= (self.line @ out[rest]) / self.diag[p]
+        return out
+
     @override
     def _matmat(self, V: Tensor) -> Tensor:
         return self._apply_column(V) if self.IS_COLUMN else self._apply_row(V)
@@ -144,6 +176,16 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
     @override
     def _rmatmat(self, V: Tensor) -> Tensor:
         return self._apply_row(V) if self.IS_COLUMN else self._apply_column(V)
+
+    @override
+    def _solve(self, V: Tensor) -> Tensor:
+        """Column type: pivot first, then the rest; row type: the reverse. O(dn)."""
+        return self._solve_column(V) if self.IS_COLUMN else self._solve_row(V)
+
+    @override
+    def _rsolve(self, V: Tensor) -> Tensor:
+        r"""\(K^\top\) of a column structure is a row structure, and vice versa."""
+        return self._solve_row(V) if self.IS_COLUMN else self._solve_column(V)
 
     @override
     def _matmul_structure(

@@ -1,0 +1,169 @@
+"""Cross-validation with curvlinops through scipy operators, and `set_curvature`.
+
+The central check of the project: IKFAC (dense factors, no momentum, lr = 0, T = 1)
+iterated on a fixed batch reaches the fixed point `K Kᵀ = (U_K + λI)⁻¹`, so its
+preconditioner equals curvlinops' damped KFAC inverse, compared as dense matrices
+obtained from `.to_scipy()` operators.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from curvlinops import FisherType, KFACInverseLinearOperator, KFACLinearOperator
+from torch import nn
+
+from singd_curvlinops import SINGD, SINGDLinearOperator
+
+DAMPING = 0.5
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(48, 3),
+    ).double()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    X = torch.randn(8, 2, 8, 8, generator=generator, dtype=torch.float64)
+    return X, torch.randint(0, 3, (8,), generator=generator)
+
+
+def kfac_operator(model, fisher_type, **kwargs) -> KFACLinearOperator:
+    return KFACLinearOperator(
+        model,
+        nn.CrossEntropyLoss(),
+        list(model.parameters()),
+        [batch()],
+        fisher_type=fisher_type,
+        separate_weight_and_bias=False,
+        check_deterministic=False,
+        **kwargs,
+    )
+
+
+def dense(operator) -> np.ndarray:
+    return operator.to_scipy() @ np.eye(operator.shape[1])
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    print(f"relative error {error:.2e}")
+    return error
+
+
+def ikfac(model: nn.Module, **options) -> SINGD:
+    return SINGD(
+        model,
+        kfac_like=True,
+        alpha1=0.0,
+        lr=0.0,
+        momentum=0.0,
+        T=1,
+        lr_cov=0.4,
+        damping=DAMPING,
+        **options,
+    )
+
+
+def test_ikfac_fixed_point_is_curvlinops_damped_kfac_inverse() -> None:
+    model = cnn()
+    X, y = batch()
+    optimizer = ikfac(model)
+    for _ in range(400):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        optimizer.step()
+    kfac = kfac_operator(model, FisherType.EMPIRICAL)
+    expected = dense(KFACInverseLinearOperator(kfac, damping=(DAMPING, DAMPING)))
+    assert relative_error(dense(SINGDLinearOperator(optimizer)), expected) < 1e-8
+    # the implied curvature P⁻¹, by structured solves, is the damped KFAC matrix
+    implied = dense(SINGDLinearOperator(optimizer).inverse())
+    assert relative_error(implied, np.linalg.inv(expected)) < 1e-8
+
+
+@pytest.mark.parametrize(
+    "fisher_type", [FisherType.MC, FisherType.TYPE2, FisherType.FORWARD_ONLY], ids=str
+)
+def test_set_curvature_drives_ikfac_to_that_fisher(fisher_type) -> None:
+    """Statistics handed over from a `KFACLinearOperator` (here not the empirical
+    Fisher of the training pass) define the fixed point."""
+    model = cnn()
+    X, y = batch()
+    optimizer = ikfac(model)
+    kfac = kfac_operator(
+        model,
+        fisher_type,
+        **({"mc_samples": 3} if fisher_type == FisherType.MC else {}),
+    )
+    for _ in range(400):
+        optimizer.set_curvature(kfac)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        optimizer.step()
+    expected = dense(KFACInverseLinearOperator(kfac, damping=(DAMPING, DAMPING)))
+    assert relative_error(dense(SINGDLinearOperator(optimizer)), expected) < 1e-8
+    empirical = dense(
+        KFACInverseLinearOperator(
+            kfac_operator(model, FisherType.EMPIRICAL), damping=(DAMPING, DAMPING)
+        )
+    )
+    assert relative_error(dense(SINGDLinearOperator(optimizer)), empirical) > 1e-3
+
+
+def test_set_curvature_is_used_once() -> None:
+    """Only the next update uses the handed-over statistics; then the training
+    pass's empirical Fisher takes over again."""
+    model_a, model_b = cnn(), cnn()
+    X, y = batch()
+    opt_a, opt_b = ikfac(model_a), ikfac(model_b)
+    opt_a.set_curvature(kfac_operator(model_a, FisherType.EMPIRICAL))
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            opt.step()
+    # the empirical KFAC of the same batch equals the training-pass statistics
+    assert (
+        relative_error(
+            dense(SINGDLinearOperator(opt_a)), dense(SINGDLinearOperator(opt_b))
+        )
+        < 1e-12
+    )
+    assert not opt_a._curvature
+
+
+def test_set_curvature_rejects_mismatched_operators() -> None:
+    model = cnn()
+    optimizer = ikfac(model)
+    with pytest.raises(ValueError, match="separate_weight_and_bias=False"):
+        optimizer.set_curvature(
+            KFACLinearOperator(
+                model,
+                nn.CrossEntropyLoss(),
+                list(model.parameters()),
+                [batch()],
+                fisher_type=FisherType.EMPIRICAL,
+                check_deterministic=False,
+            )
+        )
+    partial = KFACLinearOperator(
+        model,
+        nn.CrossEntropyLoss(),
+        list(model[3].parameters()),
+        [batch()],
+        fisher_type=FisherType.EMPIRICAL,
+        separate_weight_and_bias=False,
+        check_deterministic=False,
+    )
+    with pytest.raises(ValueError, match=r"missing \['0'\]"):
+        optimizer.set_curvature(partial)
+    with pytest.raises(TypeError, match="KFACLinearOperator"):
+        optimizer.set_curvature(dense)
+    assert not optimizer._curvature

@@ -1,9 +1,11 @@
 """SINGD, the structured inverse-free natural gradient optimizer, on curvlinops.
 
-The package is built up issue by issue; today it provides the structured matrices
-(`singd_curvlinops.structures`) in which SINGD's Kronecker factors live.
+Public API: the optimizers `SINGD` (and IKFAC through `kfac_like=True`) and the
+`KFAC` baseline, `SINGDLinearOperator` (the preconditioner as a curvlinops linear
+operator), and the structured matrices of `singd_curvlinops.structures`.
 """
 
+from singd_curvlinops.kfac import KFAC
 from singd_curvlinops.linear_operator import SINGDLinearOperator
 from singd_curvlinops.optimizer import SINGD
 from singd_curvlinops.structures import (
@@ -13,6 +15,7 @@ from singd_curvlinops.structures import (
 )
 
 __all__ = [
+    "KFAC",
     "SINGD",
     "SINGDLinearOperator",
     "StructuredMatrix",

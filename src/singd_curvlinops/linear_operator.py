@@ -24,9 +24,11 @@ from singd_curvlinops.structures import StructuredMatrix
 class SINGDLinearOperator(PyTorchLinearOperator):
     r"""The preconditioner \(P\) of a `SINGD` optimizer, frozen at construction.
 
+    For the `KFAC` baseline, \(P = (G + \lambda I)^{-1} \otimes (A + \lambda I)^{-1}\).
+
     Args:
-        optimizer: A `SINGD` (or `KFAC`-compatible) optimizer. Its factors are
-            copied, so later optimizer steps do not change the operator.
+        optimizer: A `SINGD` or `KFAC` optimizer. Its factors are copied, so later
+            optimizer steps do not change the operator.
 
     Examples:
         >>> import torch
@@ -43,6 +45,7 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._params = params
         self._inverse = False
+        self._square_roots = optimizer._FACTORS_ARE_SQUARE_ROOTS
         self._blocks: list[tuple[list[int], StructuredMatrix, StructuredMatrix]] = []
         position = {p: i for i, p in enumerate(params)}
         for weight, (_, module) in optimizer._layers.items():
@@ -87,6 +90,8 @@ class SINGDLinearOperator(PyTorchLinearOperator):
             \(F F^\top V\), or \(F^{-\top} F^{-1} V\) for the inverse.
         """
         V = V.to(factor.dtype)
+        if not self._square_roots:  # KFAC: the factor is the side's matrix itself
+            return factor.solve(V) if self._inverse else factor @ V
         if self._inverse:
             return factor.rsolve(factor.solve(V))
         return factor @ factor.rmatmat(V)

@@ -90,6 +90,16 @@ class SINGD(Optimizer):
     """
 
     _step_supports_amp_scaling = True  # `step` unscales gradients and statistics
+    _IDENTITY_FACTORS: tuple[str, ...] = ("K", "C")  # the others start at zero
+    # the preconditioner is K Kᵀ ⊗ C Cᵀ of the cached factors (KFAC: the factors)
+    _FACTORS_ARE_SQUARE_ROOTS = True
+    # state prefixes of the per-layer factors and their side (0: input, 1: output)
+    _FACTOR_SIDES: tuple[tuple[str, int], ...] = (
+        ("K", 0),
+        ("C", 1),
+        ("m_K", 0),
+        ("m_C", 1),
+    )
 
     def __init__(
         self,
@@ -133,7 +143,7 @@ class SINGD(Optimizer):
             "preconditioner_dtype": preconditioner_dtype,
             "normalize_lr_cov": normalize_lr_cov,
         }
-        check_group(dict(defaults))
+        self._check_group(dict(defaults))
         if isinstance(model, DistributedDataParallel) and not (
             torch.distributed.is_available() and torch.distributed.is_initialized()
         ):
@@ -208,11 +218,19 @@ class SINGD(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            check_group(group)
+            self._check_group(group)
             self._register_group_layers(group, len(self.param_groups) - 1)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Validate a parameter group's options (subclasses check their own).
+
+        Args:
+            group: The group's options.
+        """
+        check_group(group)
 
     def _register_group_layers(self, group: dict[str, Any], index: int) -> None:
         """Map the group's layers to it and install their hooks.
@@ -278,7 +296,7 @@ class SINGD(Optimizer):
             dims = statistics.factor_dims(module)
             for prefix, name, dim, dtype in self._factor_specs(group, dims, module):
                 cls = get_structure(name)
-                init = cls.eye if prefix in ("K", "C") else cls.zeros
+                init = cls.eye if prefix in self._IDENTITY_FACTORS else cls.zeros
                 matrix = init(dim, dtype=dtype, device=module.weight.device)
                 for key, tensor in matrix.named_tensors():
                     state[f"{prefix}.{key}"] = tensor
@@ -290,9 +308,9 @@ class SINGD(Optimizer):
                 self.state[param]["momentum_buffer"] = torch.zeros_like(param)
         return state
 
-    @staticmethod
+    @classmethod
     def _factor_specs(
-        group: dict[str, Any], dims: tuple[int, int], module: Module
+        cls, group: dict[str, Any], dims: tuple[int, int], module: Module
     ) -> list[tuple[str, str, int, torch.dtype]]:
         """Return `(prefix, structure, dim, dtype)` for `K`, `C`, `m_K`, `m_C`.
 
@@ -308,7 +326,7 @@ class SINGD(Optimizer):
         dtypes = [d or module.weight.dtype for d in group["preconditioner_dtype"]]
         return [
             (prefix, names[side], dims[side], dtypes[side])
-            for prefix, side in (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
+            for prefix, side in cls._FACTOR_SIDES
         ]
 
     def _load_factor(self, state: dict[str, Any], prefix: str, name: str):
@@ -407,15 +425,15 @@ class SINGD(Optimizer):
         """
         with torch.no_grad():
             group = self._group_of(module.weight)
-            K, C = self._preconditioner(module)[:2]
+            dtype_K, dtype_C = self._factor_dtypes(group, module)
             approx, average = group["kfac_approx"], group["loss_average"]
-            a = statistics.input_rows(module, x.to(K.dtype), approx)
+            a = statistics.input_rows(module, x.to(dtype_K), approx)
             g = statistics.gradient_rows(module, grad_output, approx, average)
             expected_scale = self._layer_state(module)["grad_scale"]
-            g = g.to(C.dtype)
+            g = g.to(dtype_C)
             if expected_scale != 1.0:
                 g = g / expected_scale
-            H_K, H_C = K.from_inner(a.T), C.from_inner(g.T)
+            H_K, H_C = self._statistics(module, a, g)
             batch = x.shape[0]
             pending = self._pending.get(module)
             if pending is None:
@@ -477,6 +495,55 @@ class SINGD(Optimizer):
                 )
             curvature[module] = (U_K.detach(), U_C.detach())
         self._curvature = curvature
+
+    @staticmethod
+    def _factor_dtypes(
+        group: dict[str, Any], module: Module
+    ) -> tuple[torch.dtype, torch.dtype]:
+        """Return the dtypes of the input-side and output-side factors.
+
+        Args:
+            group: The layer's parameter group.
+            module: The layer.
+
+        Returns:
+            `preconditioner_dtype`, with None replaced by the weight's dtype.
+        """
+        dtype_K, dtype_C = group["preconditioner_dtype"]
+        return dtype_K or module.weight.dtype, dtype_C or module.weight.dtype
+
+    def _statistics(
+        self, module: Module, a: Tensor, g: Tensor
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        r"""Return \(H_K = \Pi(K^\top a^\top a K)\), \(H_C = \Pi(C^\top g^\top g C)\).
+
+        Args:
+            module: The layer.
+            a: Input rows `[rows, d_K]`.
+            g: Output-gradient rows `[rows, d_C]`.
+
+        Returns:
+            The two projected matrices, without forming `aᵀa` or `gᵀg`.
+        """
+        K, C = self._preconditioner(module)[:2]
+        return K.from_inner(a.T), C.from_inner(g.T)
+
+    def _zero_statistics(
+        self, module: Module
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        """Return zero statistics in the layer's structures (data parallelism).
+
+        Args:
+            module: The layer.
+
+        Returns:
+            Zero matrices shaped like `_statistics`' results.
+        """
+        K, C = self._preconditioner(module)[:2]
+        return (
+            K.zeros(K.dim, dtype=K.dtype, device=K.device),
+            C.zeros(C.dim, dtype=C.dtype, device=C.device),
+        )
 
     # -------------------------------------------------------------------- step
     def set_current_grad_scale(self, grad_scale: float) -> None:
@@ -552,27 +619,23 @@ class SINGD(Optimizer):
             distributed.check_same_configuration(description, layers[0][1].device)
             self._verified_configuration = description
         due = [
-            (module, *self._preconditioner(module)[:2])
+            module
             for group, _, _, module in layers
             if self._layer_state(module)["step"] % group["T"] == 0
         ]
         if not due:
             return
         entries = []
-        for module, K, C in due:
+        for module in due:
             pending = self._pending.get(module)
             if pending is None:
-                zeros_K = K.zeros(K.dim, dtype=K.dtype, device=K.device)
-                zeros_C = C.zeros(C.dim, dtype=C.dtype, device=C.device)
-                entries.append((zeros_K, zeros_C, 0))
+                entries.append((*self._zero_statistics(module), 0))
             else:
                 entries.append(
                     (pending["H_K"], pending["H_C"], pending["num_examples"])
                 )
         totals = distributed.all_reduce_statistics(entries)
-        for (module, _, _), (H_K, H_C, _), total in zip(
-            due, entries, totals, strict=True
-        ):
+        for module, (H_K, H_C, _), total in zip(due, entries, totals, strict=True):
             if total == 0:
                 self._pending.pop(module, None)
                 continue
@@ -747,7 +810,7 @@ class SINGD(Optimizer):
         """
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
-            if callable(group["lr_cov"]):
+            if callable(group.get("lr_cov")):
                 group["lr_cov"] = CALLABLE_LR_COV
             group["preconditioner_dtype"] = [
                 None if d is None else str(d).removeprefix("torch.")
@@ -770,14 +833,14 @@ class SINGD(Optimizer):
             "state": dict(state_dict["state"]),
             "param_groups": [dict(g) for g in state_dict["param_groups"]],
         }
-        callables = [g["lr_cov"] for g in self.param_groups]
+        callables = [g.get("lr_cov") for g in self.param_groups]
         for group, lr_cov in zip(state_dict["param_groups"], callables, strict=False):
             group["preconditioner_dtype"] = tuple(
                 None if d is None else getattr(torch, d)
                 for d in group["preconditioner_dtype"]
             )
             group["structures"] = tuple(group["structures"])
-            if group["lr_cov"] == CALLABLE_LR_COV:
+            if group.get("lr_cov") == CALLABLE_LR_COV:
                 if not callable(lr_cov):
                     raise ValueError(
                         "The checkpoint was saved with a callable lr_cov; construct "

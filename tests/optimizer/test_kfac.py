@@ -1,0 +1,148 @@
+"""The KFAC baseline: first step = −lr · curvlinops' damped KFAC inverse @ gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from curvlinops import FisherType, KFACInverseLinearOperator, KFACLinearOperator
+from torch import nn
+
+from singd_curvlinops import KFAC, SINGDLinearOperator
+
+DAMPING, LR = 0.1, 0.5
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(48, 3),
+    ).double()
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    X = torch.randn(8, 2, 8, 8, generator=generator, dtype=torch.float64)
+    return X, torch.randint(0, 3, (8,), generator=generator)
+
+
+def curvlinops_inverse(model: nn.Module, data) -> KFACInverseLinearOperator:
+    kfac = KFACLinearOperator(
+        model,
+        nn.CrossEntropyLoss(),
+        list(model.parameters()),
+        data,
+        fisher_type=FisherType.EMPIRICAL,
+        separate_weight_and_bias=False,
+        check_deterministic=False,
+    )
+    return KFACInverseLinearOperator(kfac, damping=(DAMPING, DAMPING))
+
+
+def gradient(model: nn.Module, X, y) -> list[torch.Tensor]:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(X), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_first_step_is_damped_kfac_inverse_times_gradient(approx: str) -> None:
+    model = cnn()
+    X, y = batch()
+    kfac = KFACLinearOperator(
+        model,
+        nn.CrossEntropyLoss(),
+        list(model.parameters()),
+        [(X, y)],
+        fisher_type=FisherType.EMPIRICAL,
+        kfac_approx=approx,
+        separate_weight_and_bias=False,
+        check_deterministic=False,
+    )
+    inverse = KFACInverseLinearOperator(kfac, damping=(DAMPING, DAMPING))
+    expected = inverse @ gradient(model, X, y)  # factors computed before the hooks
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = KFAC(
+        model, lr=LR, momentum=0.0, damping=DAMPING, T=1, kfac_approx=approx
+    )
+    gradient(model, X, y)
+    optimizer.step()
+    for p, p0, e in zip(model.parameters(), before, expected, strict=True):
+        step = (p0 - p.detach()) / LR
+        assert torch.allclose(step, e, rtol=1e-10, atol=1e-12)
+    P = SINGDLinearOperator(optimizer)
+    n = P.shape[0]
+    assert np.allclose(
+        P.to_scipy() @ np.eye(n), inverse.to_scipy() @ np.eye(n), rtol=1e-10, atol=1e-12
+    )
+
+
+def test_exponential_averaging_and_update_interval() -> None:
+    """Factors average the statistics of the update steps (every T-th step)."""
+    model = cnn()
+    optimizer = KFAC(model, lr=0.0, momentum=0.0, damping=DAMPING, T=2, ema_decay=0.6)
+    batches = [batch(seed) for seed in range(4)]
+    for X, y in batches:
+        gradient(model, X, y)
+        optimizer.step()
+    # steps 0 and 2 update: A = 0.6 U_0 + 0.4 U_2 (the first takes U_0 as it is)
+    U = [
+        KFACLinearOperator(
+            model,
+            nn.CrossEntropyLoss(),
+            list(model.parameters()),
+            [batches[i]],
+            fisher_type=FisherType.EMPIRICAL,
+            separate_weight_and_bias=False,
+            check_deterministic=False,
+        )
+        for i in (0, 2)
+    ]
+    for u in U:
+        u.compute_kronecker_factors()
+    state = optimizer.state[model[3].weight]
+    assert state["updates"] == 2
+    for key, factors in (
+        ("A.mat", "input_covariances"),
+        ("G.mat", "gradient_covariances"),
+    ):
+        expected = (
+            0.6 * U[0].state_dict()[factors]["3"]
+            + 0.4 * U[1].state_dict()[factors]["3"]
+        )
+        assert torch.allclose(state[key], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_momentum_weight_decay_groups_and_checkpoint(tmp_path) -> None:
+    model, twin = cnn(), cnn()
+    options = {"lr": 0.1, "momentum": 0.5, "weight_decay": 1e-2, "T": 2}
+    groups = lambda m: [  # noqa: E731
+        {"params": m[0].parameters(), "ema_decay": 0.9},
+        {"params": m[3].parameters(), "damping": 0.5},
+    ]
+    optimizer = KFAC(model, groups(model), **options)
+    assert optimizer.param_groups[0]["ema_decay"] == 0.9
+    assert optimizer.param_groups[1]["damping"] == 0.5
+    assert "alpha1" not in optimizer.param_groups[0]
+    for seed in range(3):
+        gradient(model, *batch(seed))
+        optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "kfac.pt")
+    twin.load_state_dict(model.state_dict())
+    twin_optimizer = KFAC(twin, groups(twin), **options)
+    twin_optimizer.load_state_dict(torch.load(tmp_path / "kfac.pt", weights_only=True))
+    for seed in range(3, 6):
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            gradient(m, *batch(seed))
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ema_decay", [1.0, -0.1])
+def test_invalid_ema_decay(ema_decay: float) -> None:
+    with pytest.raises(ValueError, match=r"ema_decay must be in \[0.0, 1.0\)"):
+        KFAC(cnn(), ema_decay=ema_decay)

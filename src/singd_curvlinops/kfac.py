@@ -18,7 +18,6 @@ damping=(λ, λ))` applied to the gradient.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -206,24 +205,12 @@ class KFAC(SINGD):
             state: Its state.
             statistics_scale: Scale of the output gradients in the statistics.
         """
-        curvature = self._curvature.pop(module, None)
-        pending = self._pending.pop(module, None)
-        if curvature is not None:
-            U_K, U_C = curvature
-        elif pending is not None:
-            unscale = (pending["grad_scale"] / statistics_scale) ** 2
-            N = pending["num_examples"]
-            scale = statistics.gradient_scale(group["loss_average"], N) * unscale
-            U_K, U_C = pending["H_K"].mat, pending["H_C"].mat * scale
-        else:
-            if name not in self._warned_no_statistics:
-                self._warned_no_statistics.add(name)
-                warnings.warn(
-                    f"Layer {name!r} received no statistics; its factors are kept.",
-                    UserWarning,
-                    stacklevel=4,
-                )
+        taken = self._take_statistics(group, name, module, statistics_scale)
+        if taken is None:
             return
+        handed_over, U_K, U_C = taken
+        if not handed_over:  # dense statistics collected by the hooks
+            U_K, U_C = U_K.mat, U_C.mat
         beta = group["ema_decay"] if state["updates"] else 0.0
         for prefix, U in (("A", U_K), ("G", U_C)):
             factor = state[f"{prefix}.mat"]

@@ -713,6 +713,50 @@ class SINGD(Optimizer):
             direction.add_(_as_matrix(params), alpha=group["weight_decay"])
         self._apply_update(params, direction, group)
 
+    def _take_statistics(
+        self,
+        group: dict[str, Any],
+        name: str,
+        module: Module,
+        statistics_scale: float,
+    ) -> tuple[bool, Any, Any] | None:
+        """Remove and return the statistics for this factor update of a layer.
+
+        Statistics handed over by `set_curvature` take precedence over those the
+        hooks collected; without either, the layer is named in a one-time warning.
+
+        Args:
+            group: The layer's parameter group.
+            name: The layer's name.
+            module: The layer.
+            statistics_scale: Scale of the output gradients in the statistics.
+
+        Returns:
+            `(True, U_K, U_C)` with dense factors from `set_curvature`, or
+            `(False, H_K, H_C)` with the collected statistics, `H_C` scaled to the
+            convention of `U_C` (loss average, gradient scale); None if none.
+        """
+        curvature = self._curvature.pop(module, None)
+        pending = self._pending.pop(module, None)
+        if curvature is not None:
+            return True, *curvature
+        if pending is None:
+            if name not in self._warned_no_statistics:
+                self._warned_no_statistics.add(name)
+                warnings.warn(
+                    f"Layer {name!r} received no statistics (its forward hook did not "
+                    "run, e.g. because it is called functionally); its parameters are "
+                    "updated with the current factors until statistics arrive.",
+                    UserWarning,
+                    stacklevel=5,
+                )
+            return None
+        unscale = (pending["grad_scale"] / statistics_scale) ** 2
+        N = pending["num_examples"]
+        H_C = pending["H_C"]
+        H_C.mul_(statistics.gradient_scale(group["loss_average"], N) * unscale)
+        return False, pending["H_K"], H_C
+
     def _update_factors(
         self,
         group: dict[str, Any],
@@ -730,30 +774,18 @@ class SINGD(Optimizer):
             state: Its state.
             statistics_scale: Scale of the output gradients in the statistics.
         """
-        curvature = self._curvature.pop(module, None)
-        pending = self._pending.pop(module, None)
+        taken = self._take_statistics(group, name, module, statistics_scale)
+        if taken is None:
+            return
         K, C, _, _, m_K, m_C = self._preconditioner(module)
-        if curvature is not None:  # statistics handed over by set_curvature
+        handed_over, first, second = taken
+        if handed_over:  # dense factors from set_curvature: project Kᵀ U K
             H_K, H_C = (
                 M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
-                for M, U in ((K, curvature[0]), (C, curvature[1]))
+                for M, U in ((K, first), (C, second))
             )
-        elif pending is None:
-            if name not in self._warned_no_statistics:
-                self._warned_no_statistics.add(name)
-                warnings.warn(
-                    f"Layer {name!r} received no statistics (its forward hook did not "
-                    "run, e.g. because it is called functionally); its parameters are "
-                    "updated with the current factors until statistics arrive.",
-                    UserWarning,
-                    stacklevel=4,
-                )
-            return
         else:
-            H_K, H_C = pending["H_K"], pending["H_C"]
-            unscale = (pending["grad_scale"] / statistics_scale) ** 2
-            N = pending["num_examples"]
-            H_C.mul_(statistics.gradient_scale(group["loss_average"], N) * unscale)
+            H_K, H_C = first, second
         KtK, CtC = K.from_inner(), C.from_inner()
         traces = [M.average_trace() for M in (H_K, H_C, KtK, CtC)]
         lr_cov = group["lr_cov"]

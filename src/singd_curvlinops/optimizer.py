@@ -32,8 +32,6 @@ from singd_curvlinops.update import (
     precondition,
 )
 
-FACTORS = ("K", "C", "m_K", "m_C")
-
 
 class SINGD(Optimizer):
     r"""Structured inverse-free natural gradient descent (Lin et al., ICML 2024).
@@ -369,8 +367,10 @@ class SINGD(Optimizer):
         """
         state = self._layer_state(module)
         names = self._group_of(module.weight)["structures"]
-        sides = {"K": 0, "C": 1, "m_K": 0, "m_C": 1}
-        return tuple(self._load_factor(state, p, names[sides[p]]) for p in FACTORS)
+        return tuple(
+            self._load_factor(state, prefix, names[side])
+            for prefix, side in self._FACTOR_SIDES
+        )
 
     def _preconditioner(self, module: Module) -> tuple:
         r"""Return `(K, C, KKᵀ, CCᵀ, m_K, m_C)`, cached until the factors change.

@@ -398,6 +398,10 @@ class SINGD(Optimizer):
         return cached
 
     # ------------------------------------------------------------------- hooks
+    # The hooks run eagerly under `torch.compile`: they branch on the optimizer's
+    # step counter and mutate its state, which Dynamo would otherwise trace into
+    # one specialised graph per layer and phase until it hits its recompile limit.
+    @torch.compiler.disable
     def _forward_hook(self, module: Module, inputs: tuple, output: Tensor) -> None:
         """On update steps, install a tensor hook on the output (no backward hooks).
 
@@ -415,6 +419,7 @@ class SINGD(Optimizer):
             return
         output.register_hook(partial(self._accumulate, module, inputs[0].detach()))
 
+    @torch.compiler.disable
     def _accumulate(self, module: Module, x: Tensor, grad_output: Tensor) -> None:
         r"""Add one micro-batch's \(H_K\), \(H_C\) to the layer's pending statistics.
 

@@ -711,11 +711,11 @@ class SINGD(Optimizer):
         if grad is None:
             return
         if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.dtype)
-        direction = precondition(grad, *self._preconditioner(module)[:4])
+            grad.div_(grad_scale.to(grad.dtype))
+        direction = precondition(
+            grad, *self._preconditioner(module)[:4], overwrite=True
+        )
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
-        if group["weight_decay"]:
-            direction.add_(_as_matrix(params), alpha=group["weight_decay"])
         self._apply_update(params, direction, group)
 
     def _take_statistics(
@@ -819,20 +819,27 @@ class SINGD(Optimizer):
     def _apply_update(
         self, params: list[Parameter], direction: Tensor, group: dict[str, Any]
     ) -> None:
-        """Apply momentum and the learning rate to the layer's parameters.
+        r"""Apply weight decay, momentum and the learning rate to the parameters.
+
+        \(\mu \gets \alpha_2 \mu + \Delta + \gamma \theta\),
+        \(\theta \gets \theta - \beta_2 \mu\) per parameter \(\theta\) (weight,
+        bias) with its slice \(\Delta\) of the preconditioned gradient, in place.
 
         Args:
             params: Weight (and bias) of the layer.
-            direction: Preconditioned gradient plus weight decay, `[d_out, d_K]`.
+            direction: Preconditioned gradient `[d_out, d_K]` (overwritten).
             group: The parameter group.
         """
         steps = [direction[:, : params[0][0].numel()].reshape_as(params[0])]
         if len(params) == 2:
             steps.append(direction[:, -1].reshape_as(params[1]))
         for param, step in zip(params, steps, strict=True):
+            if group["weight_decay"]:
+                step.add_(param, alpha=group["weight_decay"])
             if group["momentum"]:
                 buffer = self.state[param]["momentum_buffer"]
-                step = buffer.mul_(group["momentum"]).add_(step)  # noqa: PLW2901
+                # μ ← α₂μ + Δ as one pass: add(Δ, μ, alpha=α₂) written into μ
+                step = torch.add(step, buffer, alpha=group["momentum"], out=buffer)  # noqa: PLW2901
             param.add_(step, alpha=-group["lr"])
 
     # ------------------------------------------------------------- checkpoints
@@ -967,18 +974,3 @@ def _symmetric(mat: Tensor) -> Tensor:
         `(mat + mat.T) / 2`.
     """
     return (mat + mat.T) / 2
-
-
-def _as_matrix(params: list[Parameter]) -> Tensor:
-    """Return `[W b]` of a layer as a matrix `[d_out, d_K]`.
-
-    Args:
-        params: Weight (and bias).
-
-    Returns:
-        The matrix.
-    """
-    weight = params[0].flatten(1)
-    if len(params) == 1:
-        return weight
-    return torch.cat([weight, params[1].unsqueeze(1)], dim=1)

@@ -206,15 +206,15 @@ def grad_matrix(module: Module) -> Tensor | None:
         module: A supported layer.
 
     Returns:
-        `[d_out, d_K]`, or None if the weight has no gradient. A missing bias
-        gradient counts as zero.
+        A new tensor `[d_out, d_K]` (the caller may overwrite it), or None if the
+        weight has no gradient. A missing bias gradient counts as zero.
     """
     weight = module.weight
     if weight.grad is None:
         return None
     grad = weight.grad.flatten(1)
     if module.bias is None:
-        return grad
+        return grad.clone()
     bias_grad = module.bias.grad
     if bias_grad is None:
         bias_grad = torch.zeros_like(module.bias)

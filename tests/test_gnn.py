@@ -7,6 +7,8 @@ and KFAC, and give the same `SINGDLinearOperator`.
 
 from __future__ import annotations
 
+import copy
+import io
 import subprocess
 import sys
 import warnings
@@ -205,6 +207,27 @@ def test_linear_operator_gcn_equals_linear() -> None:
     assert (P_dense - eye).abs().max() > 1e-3  # the factors have moved
     assert (P_dense - Q @ eye).abs().max() < TOL
     assert (P.inverse() @ P_dense - eye).abs().max() < 1e-8
+
+
+def test_checkpoint_round_trip() -> None:
+    gcn, _, gcn_loss, _ = problem(weighted=True)
+    optimizer = singd(gcn, T=2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        gcn_loss().backward()
+        optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    twin = copy.deepcopy(gcn)
+    resumed = singd(twin, T=2)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    saved = optimizer.state[gcn.conv1.lin.weight]
+    loaded = resumed.state[twin.conv1.lin.weight]
+    assert saved.keys() == loaded.keys()
+    assert (saved["K.mat"] - torch.eye(D_IN + 1)).abs().max() > 1e-3
+    for key, value in saved.items():
+        assert torch.equal(torch.as_tensor(loaded[key]), torch.as_tensor(value)), key
 
 
 def test_factor_dims_and_support() -> None:

@@ -197,7 +197,8 @@ def input_rows(module: Module, x: Tensor, kfac_approx: str) -> Tensor:
 
     Returns:
         Tensor `[rows, d_K]`, normalised by \(\sqrt{N S}\) (expand) or
-        \(\sqrt{N}\) (reduce) for a batch of \(N\) examples.
+        \(\sqrt{N}\) (reduce) for a batch of \(N\) examples; for convolutions
+        (expand) the transposed view of a contiguous `[d_K, rows]` buffer.
     """
     batch_size = x.shape[0]
     if isinstance(module, Conv2d):
@@ -207,14 +208,20 @@ def input_rows(module: Module, x: Tensor, kfac_approx: str) -> Tensor:
     else:
         x, _ = _shared_rows(x, kfac_approx, "mean")
         scale = batch_size**-0.5
-    # scale into a preallocated [rows, d_in (+1)] buffer: one pass over x in any
-    # layout, without flattening copies or a concatenation for the bias column
-    d_in = x.shape[-1]
-    a = x.new_empty(x.shape[:-1].numel(), d_in + int(module.bias is not None))
-    torch.mul(x, scale, out=a[:, :d_in].unflatten(0, x.shape[:-1]))
-    if module.bias is not None:
-        a[:, d_in] = scale
-    return a
+    # Scale into a preallocated buffer with the bias column: one pass over x,
+    # without flattening copies or a concatenation. Its layout follows x's:
+    # convolution patches are feature-major (a view of unfold's [N, d_in, O1 O2]),
+    # so the buffer is too, and `a` is returned as the view of its transpose.
+    d_in, d_K = x.shape[-1], x.shape[-1] + int(module.bias is not None)
+    if x.stride(-1) == 1:
+        a = x.new_empty(x.shape[:-1].numel(), d_K)
+        torch.mul(x, scale, out=a[:, :d_in].unflatten(0, x.shape[:-1]))
+        a[:, d_in:] = scale
+        return a
+    a_T = x.new_empty(d_K, *x.shape[:-1])
+    torch.mul(x.movedim(-1, 0), scale, out=a_T[:d_in])
+    a_T[d_in:] = scale
+    return a_T.flatten(1).T
 
 
 def gradient_rows(

@@ -240,9 +240,14 @@ def gradient_rows(
     Returns:
         Tensor `[rows, d_out]`, multiplied by \(\sqrt{R}\) for `"batch+sequence"`.
     """  # noqa: E501
-    if isinstance(module, Conv2d):
-        g = g.flatten(2).transpose(1, 2)  # "b c o1 o2 -> b (o1 o2) c"
-    rows, shared = _shared_rows(g, kfac_approx, "sum")
+    if isinstance(module, Conv2d) and kfac_approx == KFACType.EXPAND:
+        # "b c o1 o2 -> (b o1 o2) c" as the transpose of a feature-major copy
+        # "c (b o1 o2)": contiguous runs of O1 O2 instead of a transposition
+        rows, shared = g.transpose(0, 1).flatten(1).T, g.shape[2:].numel()
+    else:
+        if isinstance(module, Conv2d):
+            g = g.flatten(2).transpose(1, 2)  # "b c o1 o2 -> b (o1 o2) c"
+        rows, shared = _shared_rows(g, kfac_approx, "sum")
     if loss_average == "batch+sequence":
         rows = rows * shared**0.5
     return rows

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from singd_curvlinops.structures._fft import power_series_inverse
+from singd_curvlinops.structures._fft import _fft_size, power_series_inverse
 from tests.structures._suite import StructureSuite, assert_close
 
 DIMS = (1, 2, 3, 5, 8, 17, 64, 100)
@@ -70,3 +70,21 @@ def test_power_series_inverse_of_a_double_root(rho) -> None:
     c[:3] = torch.tensor([1.0, -2 * rho, rho**2], dtype=torch.float64)
     k = torch.arange(dim, dtype=torch.float64)
     assert_close(power_series_inverse(c), (k + 1) * rho**k, rtol=1e-9)
+
+
+def _is_even_5_smooth(n: int) -> bool:
+    if n % 2:
+        return False
+    for prime in (2, 3, 5):
+        while n % prime == 0:
+            n //= prime
+    return n == 1
+
+
+def test_fft_size_is_the_smallest_even_5_smooth_length_without_wrap_around() -> None:
+    for dim in range(1, 2500):
+        smallest = 2 * dim - 1
+        while not _is_even_5_smooth(smallest):
+            smallest += 1
+        assert _fft_size(dim) == smallest
+    assert _fft_size(1025) == 2160  # instead of 4096

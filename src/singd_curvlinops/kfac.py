@@ -46,7 +46,8 @@ class KFAC(SINGD):
     | `loss_average`, `kfac_approx` | — | as for `SINGD` |
 
     Args:
-        model: The network whose `Linear` and `Conv2d` layers are preconditioned.
+        model: The network whose `Linear`, `Conv2d` and `GCNConv` layers are
+            preconditioned.
         params: Parameters or parameter groups (default: all supported layers).
         lr: Learning rate \(\ge 0\).
         momentum: Momentum in \([0, 1)\).
@@ -120,7 +121,7 @@ class KFAC(SINGD):
             module: A hooked layer.
 
         Returns:
-            `self.state[module.weight]`.
+            `self.state[weight]` of the layer's weight.
         """
         state = super()._layer_state(module)
         state.setdefault("updates", 0)
@@ -153,8 +154,9 @@ class KFAC(SINGD):
             Zero matrices of the factors' dimensions and dtypes.
         """
         d_K, d_C = statistics.factor_dims(module)
-        dtype_K, dtype_C = self._factor_dtypes(self._group_of(module.weight), module)
-        device = module.weight.device
+        weight = statistics.layer_weight(module)
+        dtype_K, dtype_C = self._factor_dtypes(self._group_of(weight), module)
+        device = weight.device
         return (
             DenseMatrix.zeros(d_K, dtype=dtype_K, device=device),
             DenseMatrix.zeros(d_C, dtype=dtype_C, device=device),
@@ -174,7 +176,7 @@ class KFAC(SINGD):
         cached = self._cache.get(module)
         if cached is None:
             state = self._layer_state(module)
-            group = self._group_of(module.weight)
+            group = self._group_of(statistics.layer_weight(module))
             inverses = []
             for prefix in ("A", "G"):
                 factor = state[f"{prefix}.mat"]

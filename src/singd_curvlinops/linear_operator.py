@@ -18,6 +18,7 @@ import torch
 from curvlinops._torch_base import PyTorchLinearOperator
 from torch import Tensor
 
+from singd_curvlinops import statistics
 from singd_curvlinops.structures import StructuredMatrix
 
 
@@ -52,7 +53,7 @@ class SINGDLinearOperator(PyTorchLinearOperator):
             if weight not in position:
                 continue
             K, C = (M.clone() for M in optimizer._preconditioner(module)[:2])
-            indices = [position[p] for p in module.parameters()]
+            indices = [position[p] for p in statistics.layer_params(module)]
             self._blocks.append((indices, K, C))
         shapes = [tuple(p.shape) for p in params]
         super().__init__(shapes, shapes)

@@ -36,7 +36,8 @@ from singd_curvlinops.update import (
 class SINGD(Optimizer):
     r"""Structured inverse-free natural gradient descent (Lin et al., ICML 2024).
 
-    Preconditions the weight (and bias) of every `Linear` and `Conv2d` layer by
+    Preconditions the weight (and bias) of every `Linear`, `Conv2d` and
+    `torch_geometric.nn.GCNConv` layer (see the GNN page of the docs) by
     \(C C^\top \otimes K K^\top\) with structured factors updated inverse-free on the
     empirical Fisher's KFAC statistics (as curvlinops defines them), and applies
     momentum and weight decay as SGD does. Call it like any optimizer:
@@ -63,7 +64,8 @@ class SINGD(Optimizer):
     parameter group.
 
     Args:
-        model: The network whose `Linear` and `Conv2d` layers are preconditioned.
+        model: The network whose `Linear`, `Conv2d` and `GCNConv` layers are
+            preconditioned.
         params: Parameters or parameter groups; default: the parameters of all
             supported layers of `model` (others are left out, with a warning).
         lr: Learning rate \(\beta_2 \ge 0\).
@@ -153,14 +155,16 @@ class SINGD(Optimizer):
             model = model.module  # hooks go on the wrapped layers
         self._model = model
         self._layers = {
-            module.weight: (name, module)
+            statistics.layer_weight(module): (name, module)
             for name, module in self._model.named_modules()
-            if statistics.is_supported(module) and module.weight.requires_grad
+            if statistics.is_supported(module)
+            and statistics.layer_weight(module).requires_grad
         }
         if not self._layers:
             raise ValueError(
-                "model has no supported layer: SINGD preconditions torch.nn.Linear and "
-                "torch.nn.Conv2d (padding_mode='zeros') layers."
+                "model has no supported layer: SINGD preconditions torch.nn.Linear, "
+                "torch.nn.Conv2d (padding_mode='zeros') and "
+                "torch_geometric.nn.GCNConv layers."
             )
         if params is None:
             params = self._default_params(warn_unsupported)
@@ -184,7 +188,13 @@ class SINGD(Optimizer):
         Returns:
             The weights and biases of the supported layers.
         """
-        params = [p for _, module in self._layers.values() for p in module.parameters()]
+        params = [  # weight first, then bias (a GCNConv registers its bias first)
+            p
+            for _, module in self._layers.values()
+            for p in dict.fromkeys(
+                [*statistics.layer_params(module), *module.parameters()]
+            )
+        ]
         chosen = set(params)
         left_out = [
             name
@@ -252,7 +262,8 @@ class SINGD(Optimizer):
             raise ValueError(
                 f"{len(foreign)} parameter(s) of shapes "
                 f"{[tuple(p.shape) for p in foreign]} do not belong to a supported "
-                "layer (torch.nn.Linear, torch.nn.Conv2d) of the model; optimize them "
+                "layer (torch.nn.Linear, torch.nn.Conv2d, torch_geometric.nn.GCNConv) "
+                "of the model; optimize them "
                 "with another optimizer."
             )
         ids = set(params)
@@ -264,7 +275,9 @@ class SINGD(Optimizer):
                     "parameter group."
                 )
             self._group_index[weight] = index
-            self._hooks[module] = module.register_forward_hook(self._forward_hook)
+            self._hooks[module] = module.register_forward_hook(
+                self._forward_hook, with_kwargs=True
+            )
             self._layer_state(module)  # eager: state_dict() is complete from the start
 
     def _group_of(self, weight: Parameter) -> dict[str, Any]:
@@ -286,16 +299,17 @@ class SINGD(Optimizer):
             module: A hooked layer.
 
         Returns:
-            `self.state[module.weight]`.
+            `self.state[weight]` of the layer's weight.
         """
-        state = self.state[module.weight]
+        weight = statistics.layer_weight(module)
+        state = self.state[weight]
         if "step" not in state:
-            group = self._group_of(module.weight)
+            group = self._group_of(weight)
             dims = statistics.factor_dims(module)
             for prefix, name, dim, dtype in self._factor_specs(group, dims, module):
                 cls = get_structure(name)
                 init = cls.eye if prefix in self._IDENTITY_FACTORS else cls.zeros
-                matrix = init(dim, dtype=dtype, device=module.weight.device)
+                matrix = init(dim, dtype=dtype, device=weight.device)
                 for key, tensor in matrix.named_tensors():
                     state[f"{prefix}.{key}"] = tensor
             state["step"] = 0
@@ -321,7 +335,8 @@ class SINGD(Optimizer):
             The four specifications.
         """
         names = group["structures"]
-        dtypes = [d or module.weight.dtype for d in group["preconditioner_dtype"]]
+        weight_dtype = statistics.layer_weight(module).dtype
+        dtypes = [d or weight_dtype for d in group["preconditioner_dtype"]]
         return [
             (prefix, names[side], dims[side], dtypes[side])
             for prefix, side in cls._FACTOR_SIDES
@@ -366,7 +381,7 @@ class SINGD(Optimizer):
             The four structured matrices.
         """
         state = self._layer_state(module)
-        names = self._group_of(module.weight)["structures"]
+        names = self._group_of(statistics.layer_weight(module))["structures"]
         return tuple(
             self._load_factor(state, prefix, names[side])
             for prefix, side in self._FACTOR_SIDES
@@ -389,7 +404,7 @@ class SINGD(Optimizer):
             K, C, m_K, m_C = self._factors(module)
             # Forming a dense K Kᵀ (d³) pays off only if it serves several steps;
             # for sparse structures it costs less than applying K once.
-            reuse = self._group_of(module.weight)["T"] > 1
+            reuse = self._group_of(statistics.layer_weight(module))["T"] > 1
             KKt, CCt = (
                 M.outer_self() if reuse or M.numel() < M.dim**2 else None
                 for M in (K, C)
@@ -398,23 +413,33 @@ class SINGD(Optimizer):
         return cached
 
     # ------------------------------------------------------------------- hooks
-    def _forward_hook(self, module: Module, inputs: tuple, output: Tensor) -> None:
+    # The hooks run eagerly under `torch.compile`: they branch on the optimizer's
+    # step counter and mutate its state, which Dynamo would otherwise trace into
+    # one specialised graph per layer and phase until it hits its recompile limit.
+    @torch.compiler.disable
+    def _forward_hook(
+        self, module: Module, args: tuple, kwargs: dict[str, Any], output: Tensor
+    ) -> None:
         """On update steps, install a tensor hook on the output (no backward hooks).
 
         Args:
             module: The layer.
-            inputs: Its inputs.
+            args: Its positional inputs.
+            kwargs: Its keyword inputs.
             output: Its output.
         """
         if not torch.is_grad_enabled() or not isinstance(output, Tensor):
             return
-        if not output.requires_grad or module.weight not in self._group_index:
+        weight = statistics.layer_weight(module)
+        if not output.requires_grad or weight not in self._group_index:
             return
         state = self._layer_state(module)
-        if state["step"] % self._group_of(module.weight)["T"] != 0:
+        if state["step"] % self._group_of(weight)["T"] != 0:
             return
-        output.register_hook(partial(self._accumulate, module, inputs[0].detach()))
+        x = statistics.layer_input(module, args, kwargs)
+        output.register_hook(partial(self._accumulate, module, x))
 
+    @torch.compiler.disable
     def _accumulate(self, module: Module, x: Tensor, grad_output: Tensor) -> None:
         r"""Add one micro-batch's \(H_K\), \(H_C\) to the layer's pending statistics.
 
@@ -424,7 +449,7 @@ class SINGD(Optimizer):
             grad_output: The gradient w.r.t. its output.
         """
         with torch.no_grad():
-            group = self._group_of(module.weight)
+            group = self._group_of(statistics.layer_weight(module))
             dtype_K, dtype_C = self._factor_dtypes(group, module)
             approx, average = group["kfac_approx"], group["loss_average"]
             a = statistics.input_rows(module, x.to(dtype_K), approx)
@@ -510,7 +535,8 @@ class SINGD(Optimizer):
             `preconditioner_dtype`, with None replaced by the weight's dtype.
         """
         dtype_K, dtype_C = group["preconditioner_dtype"]
-        return dtype_K or module.weight.dtype, dtype_C or module.weight.dtype
+        weight_dtype = statistics.layer_weight(module).dtype
+        return dtype_K or weight_dtype, dtype_C or weight_dtype
 
     def _statistics(
         self, module: Module, a: Tensor, g: Tensor
@@ -706,11 +732,11 @@ class SINGD(Optimizer):
         if grad is None:
             return
         if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.dtype)
-        direction = precondition(grad, *self._preconditioner(module)[:4])
-        params = [module.weight] + ([module.bias] if module.bias is not None else [])
-        if group["weight_decay"]:
-            direction.add_(_as_matrix(params), alpha=group["weight_decay"])
+            grad.div_(grad_scale.to(grad.dtype))
+        direction = precondition(
+            grad, *self._preconditioner(module)[:4], overwrite=True
+        )
+        params = statistics.layer_params(module)
         self._apply_update(params, direction, group)
 
     def _take_statistics(
@@ -814,20 +840,27 @@ class SINGD(Optimizer):
     def _apply_update(
         self, params: list[Parameter], direction: Tensor, group: dict[str, Any]
     ) -> None:
-        """Apply momentum and the learning rate to the layer's parameters.
+        r"""Apply weight decay, momentum and the learning rate to the parameters.
+
+        \(\mu \gets \alpha_2 \mu + \Delta + \gamma \theta\),
+        \(\theta \gets \theta - \beta_2 \mu\) per parameter \(\theta\) (weight,
+        bias) with its slice \(\Delta\) of the preconditioned gradient, in place.
 
         Args:
             params: Weight (and bias) of the layer.
-            direction: Preconditioned gradient plus weight decay, `[d_out, d_K]`.
+            direction: Preconditioned gradient `[d_out, d_K]` (overwritten).
             group: The parameter group.
         """
         steps = [direction[:, : params[0][0].numel()].reshape_as(params[0])]
         if len(params) == 2:
             steps.append(direction[:, -1].reshape_as(params[1]))
         for param, step in zip(params, steps, strict=True):
+            if group["weight_decay"]:
+                step.add_(param, alpha=group["weight_decay"])
             if group["momentum"]:
                 buffer = self.state[param]["momentum_buffer"]
-                step = buffer.mul_(group["momentum"]).add_(step)  # noqa: PLW2901
+                # μ ← α₂μ + Δ as one pass: add(Δ, μ, alpha=α₂) written into μ
+                step = torch.add(step, buffer, alpha=group["momentum"], out=buffer)  # noqa: PLW2901
             param.add_(step, alpha=-group["lr"])
 
     # ------------------------------------------------------------- checkpoints
@@ -962,18 +995,3 @@ def _symmetric(mat: Tensor) -> Tensor:
         `(mat + mat.T) / 2`.
     """
     return (mat + mat.T) / 2
-
-
-def _as_matrix(params: list[Parameter]) -> Tensor:
-    """Return `[W b]` of a layer as a matrix `[d_out, d_K]`.
-
-    Args:
-        params: Weight (and bias).
-
-    Returns:
-        The matrix.
-    """
-    weight = params[0].flatten(1)
-    if len(params) == 1:
-        return weight
-    return torch.cat([weight, params[1].unsqueeze(1)], dim=1)

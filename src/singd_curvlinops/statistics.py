@@ -28,6 +28,10 @@ micro-batches, which makes the output gradients those of the concatenated batch)
 For `"batch+sequence"`, \(R\) is the layer's weight-sharing size (the sequence
 length for `Linear` layers on `[batch, sequence, features]`), which equals
 curvlinops' `num_per_example_loss_terms` when every position carries a loss term.
+
+A `torch_geometric.nn.GCNConv` (weight `lin.weight`, its own `bias`) is treated as
+a `Linear` layer on its aggregated node features \(\hat A X\) (`layer_input`, see
+`singd_curvlinops._gnn`): nodes are the examples, \(N\) is the number of nodes.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from curvlinops.kfac_utils import extract_averaged_patches, extract_patches
 from einconv.utils import get_conv_paddings
 from torch import Tensor
 from torch.nn import Conv2d, Linear, Module, Parameter
+
+from singd_curvlinops import _gnn
 
 LossAverage = Literal["batch", "batch+sequence"] | None
 LOSS_AVERAGES: tuple[LossAverage, ...] = (None, "batch", "batch+sequence")
@@ -54,11 +60,58 @@ def is_supported(module: Module) -> bool:
         module: A layer.
 
     Returns:
-        True for `Linear` and for `Conv2d` with zero padding mode.
+        True for `Linear`, for `Conv2d` with zero padding mode and for a
+        `torch_geometric.nn.GCNConv` whose weight is materialised.
     """
     if isinstance(module, Conv2d):
         return module.padding_mode == "zeros"
-    return isinstance(module, Linear)
+    if isinstance(module, Linear):
+        return True
+    return _gnn.is_gcn(module) and _gnn.is_materialized(module)
+
+
+def layer_weight(module: Module) -> Parameter:
+    """Return the weight of a supported layer (a GCNConv's is `lin.weight`).
+
+    Args:
+        module: A supported layer.
+
+    Returns:
+        The weight, `[d_out, ...]`.
+    """
+    if not isinstance(module, (Linear, Conv2d)) and _gnn.is_gcn(module):
+        return module.lin.weight
+    return module.weight
+
+
+def layer_params(module: Module) -> list[Parameter]:
+    """Return the preconditioned parameters of a supported layer, weight first.
+
+    Args:
+        module: A supported layer.
+
+    Returns:
+        `[weight]` or `[weight, bias]`.
+    """
+    weight = layer_weight(module)
+    return [weight] if module.bias is None else [weight, module.bias]
+
+
+def layer_input(module: Module, args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    r"""Return the input whose rows form the layer's input factor, detached.
+
+    Args:
+        module: A supported layer, after a forward call.
+        args: Positional arguments of the call.
+        kwargs: Keyword arguments of the call.
+
+    Returns:
+        The input \(x\) (`Linear`, `Conv2d`) or the aggregated node features
+        \(\hat A X\), `[nodes, d_in]` (GCNConv).
+    """
+    if not isinstance(module, (Linear, Conv2d)) and _gnn.is_gcn(module):
+        return _gnn.aggregated_input(module, args, kwargs)
+    return args[0].detach()
 
 
 def factor_dims(module: Module) -> tuple[int, int]:
@@ -71,7 +124,7 @@ def factor_dims(module: Module) -> tuple[int, int]:
         `d_K = d_in (+1 with bias)` and `d_C = d_out`, with `d_in` the flattened
         input side of the weight (`C_in / groups * k1 * k2` for Conv2d).
     """
-    weight = module.weight
+    weight = layer_weight(module)
     d_in = weight[0].numel()
     return d_in + int(module.bias is not None), weight.shape[0]
 
@@ -137,8 +190,9 @@ def input_rows(module: Module, x: Tensor, kfac_approx: str) -> Tensor:
 
     Args:
         module: A supported layer.
-        x: The layer's input; `[batch, ..., d_in]` (Linear) or
-            `[batch, C_in, I1, I2]` (Conv2d).
+        x: The layer's input; `[batch, ..., d_in]` (Linear),
+            `[batch, C_in, I1, I2]` (Conv2d) or \(\hat A X\), `[nodes, d_in]`
+            (GCNConv).
         kfac_approx: `"expand"` or `"reduce"`.
 
     Returns:
@@ -171,7 +225,8 @@ def gradient_rows(
     Args:
         module: A supported layer.
         g: Gradient of the loss w.r.t. the layer's output; `[batch, ..., d_out]`
-            (Linear) or `[batch, C_out, O1, O2]` (Conv2d).
+            (Linear), `[batch, C_out, O1, O2]` (Conv2d) or `[nodes, d_out]`
+            (GCNConv).
         kfac_approx: `"expand"` or `"reduce"` (reduce sums over shared dimensions).
         loss_average: `None`, `"batch"` or `"batch+sequence"`.
 
@@ -206,15 +261,15 @@ def grad_matrix(module: Module) -> Tensor | None:
         module: A supported layer.
 
     Returns:
-        `[d_out, d_K]`, or None if the weight has no gradient. A missing bias
-        gradient counts as zero.
+        A new tensor `[d_out, d_K]` (the caller may overwrite it), or None if the
+        weight has no gradient. A missing bias gradient counts as zero.
     """
-    weight = module.weight
+    weight = layer_weight(module)
     if weight.grad is None:
         return None
     grad = weight.grad.flatten(1)
     if module.bias is None:
-        return grad
+        return grad.clone()
     bias_grad = module.bias.grad
     if bias_grad is None:
         bias_grad = torch.zeros_like(module.bias)

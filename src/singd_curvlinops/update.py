@@ -107,12 +107,15 @@ def precondition(
     C: StructuredMatrix,
     KKt: StructuredMatrix | None = None,
     CCt: StructuredMatrix | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
     r"""Return \(C C^\top \Gamma K K^\top\) without forming either product densely.
 
     \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), then \(C (C^\top \cdot)\);
     where \(K K^\top\) (\(C C^\top\)) is given, one symmetric product replaces the
-    two. Each side is computed in its factor's dtype.
+    two. Each side is computed in its factor's dtype. Intermediate results are
+    overwritten in place where the structure allows (`matmat_`), and so is `grad`
+    if `overwrite` is set: for diagonal factors, no buffer is allocated at all.
 
     Args:
         grad: Matrix gradient \(\Gamma\), `[d_out, d_in (+1)]`; last column = bias.
@@ -120,14 +123,20 @@ def precondition(
         C: Output-side factor of dimension `d_out`.
         KKt: Optional precomputed \(K K^\top\) (`K.outer_self()`).
         CCt: Optional precomputed \(C C^\top\).
+        overwrite: Whether `grad` may be overwritten (the caller owns it).
 
     Returns:
-        Tensor with the shape and dtype of `grad`.
+        Tensor with the shape and dtype of `grad` (possibly `grad` itself).
     """
     right = grad.T.to(K.dtype)
-    right = (KKt @ right if KKt is not None else K @ K.rmatmat(right)).T
-    left = right.to(C.dtype)
-    left = CCt @ left if CCt is not None else C @ C.rmatmat(left)
+    owned = overwrite or K.dtype != grad.dtype  # (a cast is a copy of ours)
+    if KKt is None:
+        right = K @ K.rmatmat(right)
+    else:
+        right = KKt.matmat_(right) if owned else KKt @ right
+    # `right` is now a tensor of ours: the output side may overwrite it
+    left = right.T.to(C.dtype)
+    left = CCt.matmat_(left) if CCt is not None else C @ C.rmatmat(left)
     return left.to(grad.dtype)
 
 

@@ -39,6 +39,48 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _columns_as_rows(V: Tensor, dtype: torch.dtype) -> Tensor:
+    r"""Return \(V^\top\) in `dtype`, contiguous, so FFTs run along the last dim.
+
+    PyTorch's CPU FFT is about three times faster along a contiguous last
+    dimension than along dimension 0 of the same data; for the transposed views
+    the optimizer passes in (\(\Gamma^\top\), \(a^\top\)) this costs no copy.
+
+    Args:
+        V: Matrix of shape `[d, n]`.
+        dtype: Compute dtype.
+
+    Returns:
+        Contiguous matrix of shape `[n, d]`.
+    """
+    return V.T.to(dtype).contiguous()
+
+
+def _filter(c: Tensor, V: Tensor, conjugate: bool) -> Tensor:
+    r"""Multiply every column of `V` by \(L\) (or \(L^\top\)) in Fourier space.
+
+    With \(N \ge 2d - 1\), the circular convolution with the zero-padded \(c\)
+    restricted to its first \(d\) entries is the causal one, and the circular
+    correlation (conjugated spectrum) is the anticausal one: for \(j < i\) the
+    index \(N + j - i \ge d\) of \(c\) falls into the zero padding.
+
+    Args:
+        c: First column of \(L\), shape `[d]`.
+        V: Matrix of shape `[d, n]`.
+        conjugate: Apply \(L^\top\) instead of \(L\).
+
+    Returns:
+        Matrix of shape `[d, n]` in `V`'s dtype (a transposed view).
+    """
+    dim, n_fft = c.shape[0], _fft_size(c.shape[0])
+    dtype = _compute_dtype(V.dtype)
+    c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
+    if conjugate:
+        c_hat = c_hat.conj()
+    V_hat = torch.fft.rfft(_columns_as_rows(V, dtype), n=n_fft).mul_(c_hat)
+    return torch.fft.irfft(V_hat, n=n_fft)[:, :dim].to(V.dtype).T
+
+
 def causal_convolution(c: Tensor, V: Tensor) -> Tensor:
     r"""Return \(L V\) with \(L_{ij} = c_{i-j}\) for \(i \ge j\), else 0.
 
@@ -49,11 +91,7 @@ def causal_convolution(c: Tensor, V: Tensor) -> Tensor:
     Returns:
         Matrix of shape `[d, n]` in `V`'s dtype.
     """
-    dim, n_fft = c.shape[0], _fft_size(c.shape[0])
-    dtype = _compute_dtype(V.dtype)
-    c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
-    V_hat = torch.fft.rfft(V.to(dtype), n=n_fft, dim=0)
-    return torch.fft.irfft(c_hat.unsqueeze(1) * V_hat, n=n_fft, dim=0)[:dim].to(V.dtype)
+    return _filter(c, V, conjugate=False)
 
 
 def power_series_inverse(c: Tensor, leaf_dim: int = 256) -> Tensor:
@@ -102,7 +140,7 @@ def power_series_inverse(c: Tensor, leaf_dim: int = 256) -> Tensor:
 
 
 def anticausal_convolution(c: Tensor, V: Tensor) -> Tensor:
-    r"""Return \(L^\top V\), using \(L^\top = J L J\) for the row reversal \(J\).
+    r"""Return \(L^\top V\), the correlation of every column of `V` with \(c\).
 
     Args:
         c: First column of \(L\), shape `[d]`.
@@ -111,7 +149,7 @@ def anticausal_convolution(c: Tensor, V: Tensor) -> Tensor:
     Returns:
         Matrix of shape `[d, n]` in `V`'s dtype.
     """
-    return causal_convolution(c, V.flip(0)).flip(0)
+    return _filter(c, V, conjugate=True)
 
 
 def diagonal_sums_of_gram(X: Tensor) -> Tensor:
@@ -128,8 +166,8 @@ def diagonal_sums_of_gram(X: Tensor) -> Tensor:
         Vector of shape `[d]` in `X`'s dtype.
     """
     dim, n_fft = X.shape[0], _fft_size(X.shape[0])
-    X_hat = torch.fft.rfft(X.to(_compute_dtype(X.dtype)), n=n_fft, dim=0)
-    power = X_hat.real.square().sum(1) + X_hat.imag.square().sum(1)
+    X_hat = torch.fft.rfft(_columns_as_rows(X, _compute_dtype(X.dtype)), n=n_fft)
+    power = torch.view_as_real(X_hat).square().sum((0, 2))
     return torch.fft.irfft(power, n=n_fft)[:dim].to(X.dtype)
 
 

@@ -291,6 +291,34 @@ class StructuredMatrix(ABC):
         V = check_operand(other, self.dim, self.dtype, "other")
         return _on_columns(self._matmat, V)
 
+    def matmat_(self, mat: Tensor) -> Tensor:
+        r"""Return \(K V\) for a matrix `mat` \(= V\) the caller no longer needs.
+
+        Structures that can multiply in place (diagonal) overwrite `mat` and return
+        it, which saves allocating a result as large as `mat`; the others return a
+        new tensor, exactly as `K @ mat` does. Either way, do not use `mat` after
+        the call, only the returned tensor.
+
+        Args:
+            mat: Matrix of shape `[d, n]`.
+
+        Returns:
+            \(K V\), shape `[d, n]`: `mat` itself or a new tensor.
+        """
+        V = check_operand(mat, self.dim, self.dtype, "mat", matrix_only=True)
+        return self._matmat_inplace(V)
+
+    def _matmat_inplace(self, V: Tensor) -> Tensor:
+        r"""Return \(K V\), overwriting `V` where the structure allows it.
+
+        Args:
+            V: Validated matrix of shape `[d, n]`.
+
+        Returns:
+            \(K V\) (by default a new tensor).
+        """
+        return self._matmat(V)
+
     def rmatmat(self, mat: Tensor) -> Tensor:
         r"""Return \(K^\top V\) for a tensor `mat` \(= V\) of shape `[d]` or `[d, n]`.
 

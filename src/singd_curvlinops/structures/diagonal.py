@@ -63,6 +63,11 @@ class DiagonalMatrix(StructuredMatrix):
         return self.diag.unsqueeze(1) * V
 
     @override
+    def _matmat_inplace(self, V: Tensor) -> Tensor:
+        r"""\(D V\) scales the rows of `V`: in place, no result buffer."""
+        return V.mul_(self.diag.unsqueeze(1))
+
+    @override
     def _rmatmat(self, V: Tensor) -> Tensor:
         return self.diag.unsqueeze(1) * V
 

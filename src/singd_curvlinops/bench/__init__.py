@@ -1,5 +1,7 @@
 """Benchmarks that compare this package with the reference release `singd`.
 
-Run the structured-matrix micro-benchmark with
-`python -m singd_curvlinops.bench.structures`.
+- Training steps (`optimizer`, with `workloads`, `configurations`, `memory` and
+  `report`): run with `singd-curvlinops bench`.
+- Structured-matrix operations: run with
+  `python -m singd_curvlinops.bench.structures`.
 """

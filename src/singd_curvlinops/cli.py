@@ -1,0 +1,371 @@
+"""The `singd-curvlinops` command line (also `python -m singd_curvlinops`).
+
+- `singd-curvlinops demo`: train a small CNN on scikit-learn's digits with SINGD in
+  several structures, IKFAC, KFAC, AdamW and SGD; print a table and plot the
+  loss curves.
+- `singd-curvlinops bench`: time and memory per training step of SINGD per
+  structure, the reference `singd`, KFAC, AdamW and SGD, interleaved in one process;
+  print Markdown tables.
+
+`main(argv)` parses `argv` (default: `sys.argv[1:]`) and returns the exit code;
+bad arguments exit with code 2 and a message that names the allowed values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import torch
+
+from singd_curvlinops import _arguments as arguments
+from singd_curvlinops.bench.configurations import configurations, reference_version
+from singd_curvlinops.bench.optimizer import measure
+from singd_curvlinops.bench.report import markdown_table, preamble
+from singd_curvlinops.bench.workloads import MODELS
+from singd_curvlinops.demo import MissingExtraError, run_demo
+from singd_curvlinops.demo.optimizers import DEFAULT_OPTIMIZERS
+from singd_curvlinops.demo.report import plot_losses, results_table
+from singd_curvlinops.demo.training import TRAIN_EXAMPLES
+
+BENCH_STRUCTURES = "dense, diagonal, block30diagonal, hierarchical15_15, triltoeplitz"
+DEMO_PLOT = "singd-curvlinops-demo.png"
+
+
+_DEMO_DESCRIPTION = """\
+Train the same small CNN on scikit-learn's digits (bundled, no download) with
+each optimizer: same initial weights, same mini-batch order. Prints a table and
+writes a PNG plot of the loss curves. Needs the examples extra:
+pip install "singd-curvlinops[examples]".
+"""
+
+_DEMO_EPILOG = """\
+optimizers (--optimizers, comma-separated):
+  singd:STRUCTURE   SINGD, both Kronecker factors of every layer in STRUCTURE, e.g.
+                    dense, diagonal, block30diagonal, hierarchical15_15,
+                    triltoeplitz (plain `singd` means dense)
+  ikfac[:STRUCTURE] IKFAC: SINGD with kfac_like=True (default structure dense)
+  kfac              the KFAC baseline (dense factors, damped inverses every T steps)
+  adamw, sgd        torch.optim.AdamW and torch.optim.SGD with momentum
+
+table columns:
+  final train loss  mean cross-entropy on the whole training set after training
+  test accuracy     on the 450 held-out digits after the last epoch
+  ms/step           wall-clock time of zero_grad + forward + backward + step,
+                    averaged over all steps of the run (runs one after the other:
+                    use `singd-curvlinops bench` for interleaved timings)
+  state MiB         tensors in the optimizer's state after training
+
+example:
+  singd-curvlinops demo --epochs 3 --optimizers singd:diagonal,ikfac,adamw
+"""
+
+_BENCH_DESCRIPTION = """\
+Time and memory per training step of SINGD per structure, the reference singd,
+KFAC, AdamW and SGD, interleaved in one process (float32, CPU). Prints one
+Markdown table per model.
+"""
+
+_BENCH_EPILOG = """\
+rows per model: SINGD per structure and T, the reference singd (when installed
+and it has the structure), KFAC per T, AdamW, SGD. Every configuration trains its
+own copy of one seeded model on a fixed mini-batch; all are timed in blocks of
+--steps-per-block steps, round-robin over --rounds rounds (median reported).
+
+columns:
+  ms/step        median time of zero_grad + forward + backward + step
+  × AdamW        ms/step divided by AdamW's on the same model
+  ours / ref     ms/step of SINGD divided by the reference's (same structure, T)
+  step peak MiB  the most memory one step allocates and holds at once, from
+                 torch.profiler's allocation events (largest over T steps, so a
+                 factor update is included); parameters, batch and state excluded
+  state MiB      tensors in the optimizer's state (and the reference's factors)
+  final loss     on the fixed batch after all steps
+
+models: mlp 784-512-512-10 (batch 128); cnn three stride-2 3x3 convolutions on
+3x32x32 images and a linear layer (batch 64); seq a per-token MLP 256-256-256-10
+on [16, 64, 256] tokens (loss_average="batch+sequence").
+
+example:
+  singd-curvlinops bench --models mlp --structures diagonal --T 10 --rounds 3
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the parser with the subcommands `demo` and `bench`.
+
+    Returns:
+        The parser.
+    """
+    parser = argparse.ArgumentParser(
+        prog="singd-curvlinops",
+        description="SINGD on curvlinops: a training demo and a step benchmark.",
+        epilog="Run `singd-curvlinops COMMAND --help` for a command's options.",
+        formatter_class=arguments.Formatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    """Add the `demo` subcommand and its options.
+
+    Args:
+        commands: The subcommands of the main parser.
+    """
+    demo = commands.add_parser(
+        "demo",
+        help="train a small CNN on scikit-learn's digits with every optimizer",
+        description=_DEMO_DESCRIPTION,
+        epilog=_DEMO_EPILOG,
+        formatter_class=arguments.Formatter,
+    )
+    add = demo.add_argument
+    add(
+        "--epochs",
+        type=arguments.positive_int,
+        default=10,
+        metavar="N",
+        help="epochs per optimizer (default: %(default)s)",
+    )
+    add(
+        "--optimizers",
+        type=arguments.optimizers,
+        default=DEFAULT_OPTIMIZERS,
+        metavar="LIST",
+        help="comma-separated optimizers, syntax below (default: %(default)s)",
+    )
+    add(
+        "--plot",
+        type=arguments.output_file(".png"),
+        default=DEMO_PLOT,
+        metavar="PATH",
+        help="PNG file for the loss curves (default: %(default)s)",
+    )
+    add(
+        "--batch-size",
+        type=arguments.positive_int,
+        default=64,
+        metavar="N",
+        help="mini-batch size (default: %(default)s)",
+    )
+    add(
+        "--train-size",
+        type=arguments.positive_int,
+        default=None,
+        metavar="N",
+        help=f"use only the first N of the {TRAIN_EXAMPLES} training digits "
+        "(default: all)",
+    )
+    add(
+        "--seed",
+        type=arguments.non_negative_int,
+        default=0,
+        metavar="N",
+        help="seed of the initial weights and the data order (default: %(default)s)",
+    )
+    add(
+        "--threads",
+        type=arguments.positive_int,
+        default=1,
+        metavar="N",
+        help="torch threads (default: %(default)s; the demo's layers are too small "
+        "to gain from more, and busy cores slow multithreaded kernels down)",
+    )
+    add("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """Add the `bench` subcommand and its options.
+
+    Args:
+        commands: The subcommands of the main parser.
+    """
+    bench = commands.add_parser(
+        "bench",
+        help="time and memory per training step, all optimizers interleaved",
+        description=_BENCH_DESCRIPTION,
+        epilog=_BENCH_EPILOG,
+        formatter_class=arguments.Formatter,
+    )
+    add = bench.add_argument
+    add(
+        "--models",
+        type=arguments.models,
+        default=", ".join(MODELS),
+        metavar="LIST",
+        help="comma-separated models (default: %(default)s)",
+    )
+    add(
+        "--structures",
+        type=arguments.structures,
+        default=BENCH_STRUCTURES,
+        metavar="LIST",
+        help="comma-separated structures, each used for both K and "
+        "C (default: %(default)s)",
+    )
+    add(
+        "--T",
+        type=arguments.intervals,
+        default="1, 10",
+        metavar="LIST",
+        help="comma-separated factor update intervals (default: %(default)s)",
+    )
+    add(
+        "--rounds",
+        type=arguments.positive_int,
+        default=5,
+        metavar="N",
+        help="timed blocks per configuration (default: %(default)s)",
+    )
+    add(
+        "--steps-per-block",
+        type=arguments.positive_int,
+        default=10,
+        metavar="N",
+        help="consecutive steps per timed block, a multiple of every T "
+        "(default: %(default)s)",
+    )
+    add(
+        "--warmup",
+        type=arguments.non_negative_int,
+        default=3,
+        metavar="N",
+        help="untimed steps per configuration (default: %(default)s)",
+    )
+    add(
+        "--threads",
+        type=arguments.positive_int,
+        default=None,
+        metavar="N",
+        help="torch threads (default: torch's choice)",
+    )
+    add("--no-reference", action="store_true", help="skip the reference singd's rows")
+    add(
+        "--json",
+        type=arguments.output_file(".json"),
+        default=None,
+        metavar="PATH",
+        help="also write all records to this JSON file",
+    )
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Run `singd-curvlinops demo`.
+
+    Args:
+        args: The parsed arguments.
+
+    Returns:
+        Exit code 0.
+    """
+    results = run_demo(
+        args.optimizers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        train_size=args.train_size,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print()
+    print(results_table(results))
+    plot_losses(results, args.plot)
+    print(f"\nloss curves: {args.plot}")
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    """Run `singd-curvlinops bench`.
+
+    Args:
+        args: The parsed arguments.
+
+    Returns:
+        Exit code 0.
+    """
+    version = None if args.no_reference else reference_version()
+    configs = configurations(args.structures, args.T, version is not None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference warns on its dense fallbacks
+        records = measure(
+            args.models,
+            configs,
+            args.rounds,
+            args.steps_per_block,
+            args.warmup,
+            progress=lambda line: print(line, file=sys.stderr),
+        )
+    text = preamble(
+        torch_version=torch.__version__,
+        threads=torch.get_num_threads(),
+        rounds=args.rounds,
+        steps_per_block=args.steps_per_block,
+        warmup=args.warmup,
+        reference=version,
+    )
+    print(text + "\n")
+    for model in args.models:
+        print(f"### {model}\n")
+        print(markdown_table(records, model))
+        print()
+    if args.json is not None:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(records, file, indent=2)
+    return 0
+
+
+def _check_combinations(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    """Check the constraints between arguments; exit with code 2 if one fails.
+
+    Args:
+        parser: The parser (reports the error).
+        args: The parsed arguments.
+    """
+    if args.command == "demo":
+        n_train = min(args.train_size or TRAIN_EXAMPLES, TRAIN_EXAMPLES)
+        if args.batch_size > n_train:
+            parser.error(
+                f"demo: --batch-size {args.batch_size} exceeds the {n_train} "
+                "training examples."
+            )
+    else:
+        uneven = [T for T in args.T if args.steps_per_block % T]
+        if uneven:
+            parser.error(
+                f"bench: --steps-per-block {args.steps_per_block} is not a multiple "
+                f"of T = {', '.join(map(str, uneven))}: every timed block must hold "
+                "the same number of factor updates."
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `singd-curvlinops` command line.
+
+    Args:
+        argv: Arguments without the program name; default: `sys.argv[1:]`.
+
+    Returns:
+        The exit code: 0 on success, 1 if the demo's `examples` extra is missing.
+        Bad arguments and `--help` exit through `SystemExit` (codes 2 and 0).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_combinations(parser, args)
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.command == "demo":
+            return _run_demo(args)
+        return _run_bench(args)
+    except MissingExtraError as error:
+        print(f"singd-curvlinops {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    finally:  # main may run inside a larger program (tests, notebooks)
+        torch.set_num_threads(threads)

@@ -1,9 +1,9 @@
 """The Python examples in the README and the documentation pages run as written.
 
-Every ```` ```python ```` block of `README.md` and of every Markdown page under
-`docs/pages/` (the sources of the site; the generated gallery excluded) is executed,
-each in a fresh namespace. A block that cannot run on its own — it needs `torchrun`,
-say — is preceded by a line
+Every ```` ```python ```` (or ```` ```{.python} ````) block of `README.md` and of
+every Markdown page under `docs/pages/` (the sources of the site; the generated
+gallery excluded) is executed, each in a fresh namespace. A block that cannot run
+on its own — it needs `torchrun`, say — is preceded by a line
 
     <!-- docs-test: skip (the reason) -->
 
@@ -24,8 +24,11 @@ PAGES = [
     ROOT / "README.md",
     *sorted(p for p in PAGES_DIR.rglob("*.md") if GENERATED not in p.parents),
 ]
+# ```python, or the brace form ```{.python} that `ruff format` leaves alone (for
+# pymdownx.snippets includes such as --8<-- "examples/ddp_train.py")
 BLOCK = re.compile(
-    r"^(?P<indent>[ \t]*)```python\n(?P<code>.*?)^(?P=indent)```", re.DOTALL | re.M
+    r"^(?P<indent>[ \t]*)```(?:python|\{\.python\})\n(?P<code>.*?)^(?P=indent)```",
+    re.DOTALL | re.M,
 )
 SKIP = re.compile(r"<!-- docs-test: skip \((?P<reason>[^)]*)\) -->\s*$")
 
@@ -76,11 +79,13 @@ def test_skip_marker_and_indented_blocks_are_recognised() -> None:
         "x\n```python\nprint(1)\n```\n"
         "<!-- docs-test: skip (tests/x.py runs it) -->\n```python\nraise\n```\n"
         '??? example "title"\n\n    ```python\n    if True:\n        pass\n    ```\n'
+        '<!-- docs-test: skip (tests/y.py) -->\n```{.python}\n--8<-- "y.py"\n```\n'
     )
     assert python_blocks(text) == [
         ("print(1)\n", None),
         ("raise\n", "tests/x.py runs it"),
         ("if True:\n    pass\n", None),
+        ('--8<-- "y.py"\n', "tests/y.py"),
     ]
 
 

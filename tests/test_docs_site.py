@@ -84,3 +84,21 @@ def test_build_command_is_documented_and_run_in_ci() -> None:
     assert BUILD_COMMAND in (ROOT / "README.md").read_text("utf-8")
     assert BUILD_COMMAND in (ROOT / ".ci" / "run").read_text("utf-8")
     assert BUILD_COMMAND in CONFIG
+
+
+def test_snippet_includes_are_intact_and_name_existing_files() -> None:
+    """`--8<-- "path"` lines (pymdownx.snippets, paths relative to docs/).
+
+    A formatter that treats an include as Python rewrites it to `--8 < --"path"`,
+    which the site then shows as text; only the canonical form includes the file.
+    """
+    includes = []
+    for page in PAGES_DIR.rglob("*.md"):
+        for line in page.read_text("utf-8").splitlines():
+            if re.search(r"-+\s*8\s*<\s*-+", line):
+                match = re.fullmatch(r'\s*--8<-- "([^"]+)"', line)
+                assert match, f"{page.name}: mangled include {line.strip()!r}"
+                includes.append(match.group(1))
+    assert "examples/ddp_train.py" in includes
+    for path in includes:
+        assert (DOCS / path).is_file(), path

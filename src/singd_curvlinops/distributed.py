@@ -11,6 +11,7 @@ U_K = \frac{\sum_r N_r\, U_{K,r}}{\sum_r N_r}, \qquad
 U_C = \frac{\nu(N)}{P^2} \sum_r \sum_{\text{rows of } r} \tilde g \tilde g^\top,
 \qquad N = \sum_r N_r,
 \]
+
 with \(\nu\) from `statistics.gradient_scale`. For mean losses over equal local
 batches, \(\bar L\) is the mean loss of the concatenated batch and training equals
 one process on it. For sum losses, multiply each process's loss by \(P\) (DDP's

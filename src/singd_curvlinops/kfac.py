@@ -8,6 +8,7 @@ statistics as they are):
 \[
 A \gets \beta A + (1 - \beta) U_K, \qquad G \gets \beta G + (1 - \beta) U_C,
 \]
+
 every `T` steps, together with the damped inverses \((A + \lambda I)^{-1}\) and
 \((G + \lambda I)^{-1}\). Every step applies
 \(\Delta = (G + \lambda I)^{-1} \Gamma (A + \lambda I)^{-1}\), weight decay and momentum

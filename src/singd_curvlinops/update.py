@@ -10,6 +10,7 @@ factor learning rate \(\beta_1\):
 \,\Pi(K^\top K) - I, \qquad
 m_K \gets \alpha_1 m_K + s\, \hat m_K, \qquad K \gets K - \beta_1 K m_K,
 \]
+
 and symmetrically for \(C\); IKFAC (`kfac_like=True`) drops the traces. The scale is
 \(s = \tfrac12 (1 - \alpha_1)\) with `normalize_lr_cov`, where also
 \(\beta_1 \gets \beta_1 / \max(1, \|m\|_{\max})\), else \(s = \tfrac12\).

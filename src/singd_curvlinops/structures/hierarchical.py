@@ -19,6 +19,7 @@ class HierarchicalMatrix(StructuredMatrix):
     K = \begin{pmatrix} A & B_C & B_E \\ 0 & \mathrm{diag}(c) & 0 \\ 0 & D & E
     \end{pmatrix},\qquad B = (B_C \; B_E),
     \]
+
     with dense \(A\) (\(k_1 \times k_1\)), \(E\) (\(k_2 \times k_2\)), \(B\)
     (\(k_1 \times (d - k_1)\)), \(D\) (\(k_2 \times d_c\)) and a diagonal core
     \(c \in \mathbb{R}^{d_c}\). When \(d < K_1 + K_2\) the blocks are filled in the

@@ -402,12 +402,14 @@ class SINGD(Optimizer):
         cached = self._cache.get(module)
         if cached is None:
             K, C, m_K, m_C = self._factors(module)
-            # Forming a dense K Kᵀ (d³) pays off only if it serves several steps;
-            # for sparse structures it costs less than applying K once.
+            # A dense K Kᵀ costs 2d³ and then 2d²n per use on n columns, applying
+            # K and Kᵀ costs 4d²n: forming it pays off if it serves several steps
+            # or if d < n (the smaller side of a layer). For sparse structures it
+            # costs less than applying K once.
             reuse = self._group_of(statistics.layer_weight(module))["T"] > 1
             KKt, CCt = (
-                M.outer_self() if reuse or M.numel() < M.dim**2 else None
-                for M in (K, C)
+                M.outer_self() if reuse or M.numel() < M.dim**2 or M.dim < n else None
+                for M, n in ((K, C.dim), (C, K.dim))
             )
             cached = self._cache[module] = (K, C, KKt, CCt, m_K, m_C)
         return cached

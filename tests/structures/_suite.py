@@ -134,6 +134,18 @@ class StructureSuite:
         assert_close(K @ V, K_dense @ V)
         assert_close(K @ v, K_dense @ v)
 
+    IN_PLACE_MATMAT = False  # whether `matmat_` overwrites its operand
+
+    def test_matmat_(self, dim: int) -> None:
+        K, K_dense = self.random_element(dim)
+        V = torch.randn(dim, 4, dtype=torch.float64)
+        for operand in (V.clone(), V.T.clone().T):  # row- and column-major
+            result = K.matmat_(operand)
+            assert_close(result, K_dense @ V)
+            assert (result.data_ptr() == operand.data_ptr()) == self.IN_PLACE_MATMAT
+        with pytest.raises(ValueError, match="mat must have shape"):
+            K.matmat_(V[:, 0])
+
     def test_rmatmat(self, dim: int) -> None:
         K, K_dense = self.random_element(dim)
         V, v = (

@@ -6,6 +6,7 @@ from tests.structures._suite import StructureSuite
 
 class TestDiagonal(StructureSuite):
     NAME = "diagonal"
+    IN_PLACE_MATMAT = True
 
     def project(self, sym: Tensor) -> Tensor:
         out = torch.zeros_like(sym)

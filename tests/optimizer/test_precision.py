@@ -39,13 +39,8 @@ D_IN, D_HIDDEN, D_OUT, BATCH = 6, 8, 5, 16
 
 
 # --------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: one thread (oversubscribed CPUs slow small FFTs 1000-fold)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny problems: one thread (oversubscribed CPUs slow small FFTs 1000-fold).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mlp(dtype: torch.dtype = torch.float32) -> nn.Sequential:

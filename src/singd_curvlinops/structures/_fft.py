@@ -55,21 +55,25 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _columns_as_rows(V: Tensor, dtype: torch.dtype) -> Tensor:
-    r"""Return \(V^\top\) in `dtype`, contiguous, so FFTs run along the last dim.
+def _columns_as_rows(V: Tensor, dtype: torch.dtype, n_fft: int) -> Tensor:
+    r"""Return \(V^\top\) in `dtype`, zero-padded to `n_fft` columns, contiguous.
 
-    PyTorch's CPU FFT is about three times faster along a contiguous last
-    dimension than along dimension 0 of the same data; for the transposed views
-    the optimizer passes in (\(\Gamma^\top\), \(a^\top\)) this costs no copy.
+    FFTs then run along the contiguous last dimension, which PyTorch's CPU FFT
+    does about three times faster than along dimension 0 of the same data, and
+    the transposition, the cast and the zero padding are one copy (`rfft(x, n=)`
+    would pad with a second one).
 
     Args:
         V: Matrix of shape `[d, n]`.
         dtype: Compute dtype.
+        n_fft: Padded length, `>= d`.
 
     Returns:
-        Contiguous matrix of shape `[n, d]`.
+        Contiguous matrix of shape `[n, n_fft]`.
     """
-    return V.T.to(dtype).contiguous()
+    rows = V.new_zeros(V.shape[1], n_fft, dtype=dtype)
+    rows[:, : V.shape[0]] = V.T
+    return rows
 
 
 def _filter(c: Tensor, V: Tensor, conjugate: bool, n_fft: int | None = None) -> Tensor:
@@ -95,7 +99,7 @@ def _filter(c: Tensor, V: Tensor, conjugate: bool, n_fft: int | None = None) -> 
     c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
     if conjugate:
         c_hat = c_hat.conj()
-    V_hat = torch.fft.rfft(_columns_as_rows(V, dtype), n=n_fft).mul_(c_hat)
+    V_hat = torch.fft.rfft(_columns_as_rows(V, dtype, n_fft)).mul_(c_hat)
     return torch.fft.irfft(V_hat, n=n_fft)[:, :dim].to(V.dtype).T
 
 
@@ -187,8 +191,13 @@ def diagonal_sums_of_gram(X: Tensor) -> Tensor:
         Vector of shape `[d]` in `X`'s dtype.
     """
     dim, n_fft = X.shape[0], _fft_size(X.shape[0])
-    X_hat = torch.fft.rfft(_columns_as_rows(X, _compute_dtype(X.dtype)), n=n_fft)
-    power = torch.view_as_real(X_hat).square().sum((0, 2))
+    X_hat = torch.fft.rfft(_columns_as_rows(X, _compute_dtype(X.dtype), n_fft))
+    # |X̂|² summed over columns: the real and imaginary parts side by side in one
+    # contiguous row per column, reduced along dim 0 (10-20x faster on a CPU
+    # than reducing dims (0, 2) of the [n, F, 2] view at once)
+    squares = torch.view_as_real(X_hat).reshape(X_hat.shape[0], 2 * X_hat.shape[1])
+    squares = squares.square()
+    power = squares.sum(0).view(-1, 2).sum(1)
     return torch.fft.irfft(power, n=n_fft)[:dim].to(X.dtype)
 
 

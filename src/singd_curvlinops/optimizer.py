@@ -547,14 +547,17 @@ class SINGD(Optimizer):
 
         Args:
             module: The layer.
-            a: Input rows `[rows, d_K]`.
-            g: Output-gradient rows `[rows, d_C]`.
+            a: Input rows `[rows, d_K]`, a buffer of ours that `K.from_inner_` may
+                overwrite.
+            g: Output-gradient rows `[rows, d_C]` (left intact).
 
         Returns:
             The two projected matrices, without forming `aᵀa` or `gᵀg`.
         """
         K, C = self._preconditioner(module)[:2]
-        return K.from_inner(a.T), C.from_inner(g.T)
+        # `a` is a fresh buffer (`statistics.input_rows`); `g` may be a view of
+        # autograd's output gradient and must stay intact
+        return K.from_inner_(a.T), C.from_inner(g.T)
 
     def _zero_statistics(
         self, module: Module

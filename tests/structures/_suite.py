@@ -134,7 +134,7 @@ class StructureSuite:
         assert_close(K @ V, K_dense @ V)
         assert_close(K @ v, K_dense @ v)
 
-    IN_PLACE_MATMAT = False  # whether `matmat_` overwrites its operand
+    IN_PLACE_MATMAT = False  # whether `matmat_` and `from_inner_` overwrite operands
 
     def test_matmat_(self, dim: int) -> None:
         K, K_dense = self.random_element(dim)
@@ -145,6 +145,15 @@ class StructureSuite:
             assert (result.data_ptr() == operand.data_ptr()) == self.IN_PLACE_MATMAT
         with pytest.raises(ValueError, match="mat must have shape"):
             K.matmat_(V[:, 0])
+
+    def test_from_inner_(self, dim: int) -> None:
+        K, _ = self.random_element(dim)
+        X = torch.randn(dim, 6, dtype=torch.float64)
+        overwritten = X.clone()
+        assert_close(K.from_inner_(overwritten).to_dense(), K.from_inner(X).to_dense())
+        assert torch.equal(overwritten, X) != self.IN_PLACE_MATMAT
+        with pytest.raises(ValueError, match="X must have shape"):
+            K.from_inner_(X[:, 0])
 
     def test_rmatmat(self, dim: int) -> None:
         K, K_dense = self.random_element(dim)

@@ -441,6 +441,33 @@ class StructuredMatrix(ABC):
         X = check_operand(X, self.dim, self.dtype, "X", matrix_only=True)
         return self._from_inner(X)
 
+    def from_inner_(self, X: Tensor) -> StructuredMatrix:
+        r"""Return \(\Pi(K^\top X X^\top K)\) for an `X` the caller no longer needs.
+
+        Structures that can work in place (diagonal: the squares of `X`) overwrite
+        `X`, which saves a temporary as large as `X`; the others compute
+        `from_inner(X)` and leave it untouched. Do not use `X` after the call.
+
+        Args:
+            X: Matrix of shape `[d, n]`.
+
+        Returns:
+            The projected matrix.
+        """
+        X = check_operand(X, self.dim, self.dtype, "X", matrix_only=True)
+        return self._from_inner_inplace(X)
+
+    def _from_inner_inplace(self, X: Tensor) -> StructuredMatrix:
+        r"""Return \(\Pi(K^\top X X^\top K)\), overwriting `X` where that saves memory.
+
+        Args:
+            X: Validated matrix of shape `[d, n]`.
+
+        Returns:
+            The projected matrix (by default `_from_inner(X)`).
+        """
+        return self._from_inner(X)
+
     def _from_inner(self, X: Tensor) -> StructuredMatrix:
         r"""Return \(\Pi(K^\top X X^\top K) = \Pi(S S^\top)\) with \(S = K^\top X\).
 

@@ -91,6 +91,11 @@ class DiagonalMatrix(StructuredMatrix):
         return DiagonalMatrix(self.diag.square() * X.square().sum(1))
 
     @override
+    def _from_inner_inplace(self, X: Tensor) -> DiagonalMatrix:
+        r"""\(\delta^2 \odot \sum_j X_{:j}^2\) with the squares written into `X`."""
+        return DiagonalMatrix(self.diag.square() * X.square_().sum(1))
+
+    @override
     def _from_inner_identity(self) -> DiagonalMatrix:
         return DiagonalMatrix(self.diag.square())
 

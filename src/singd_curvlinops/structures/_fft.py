@@ -15,6 +15,18 @@ import torch
 from torch import Tensor
 
 
+def _power_of_two_size(dim: int) -> int:
+    """Return the smallest power of two `>= 2 * dim - 1` (at least 2).
+
+    Args:
+        dim: Signal length.
+
+    Returns:
+        The FFT length.
+    """
+    return 1 << (max(2, 2 * dim - 1) - 1).bit_length()
+
+
 def _fft_size(dim: int) -> int:
     r"""Return the smallest even 5-smooth number `>= 2 * dim - 1`.
 
@@ -30,7 +42,7 @@ def _fft_size(dim: int) -> int:
         The FFT length.
     """
     target = max(2, 2 * dim - 1)
-    best = 1 << (target - 1).bit_length()  # the next power of two
+    best = _power_of_two_size(dim)
     power_of_5 = 1
     while power_of_5 < best:
         size = power_of_5
@@ -156,7 +168,7 @@ def power_series_inverse(c: Tensor, leaf_dim: int = 256) -> Tensor:
         solved = torch.nn.functional.pad(g[lo:mid], (0, 0, 0, hi - mid))
         # power-of-two lengths: on this ill-conditioned recursion they keep the
         # error ~20x lower than 5-smooth ones (1/(1 - x)^2 at d = 20000: 2e-10)
-        n_fft = 1 << (2 * (hi - lo) - 2).bit_length()
+        n_fft = _power_of_two_size(hi - lo)
         g[mid:hi] -= _filter(c[: hi - lo], solved, False, n_fft)[mid - lo :]
         substitute(mid, hi)
 

@@ -70,6 +70,18 @@ def is_supported(module: Module) -> bool:
     return _gnn.is_gcn(module) and _gnn.is_materialized(module)
 
 
+def _is_gcn(module: Module) -> bool:
+    """Return whether a layer is a GCNConv (cheap for the built-in layers).
+
+    Args:
+        module: A layer.
+
+    Returns:
+        False for `Linear` and `Conv2d` without looking for torch_geometric.
+    """
+    return not isinstance(module, (Linear, Conv2d)) and _gnn.is_gcn(module)
+
+
 def layer_weight(module: Module) -> Parameter:
     """Return the weight of a supported layer (a GCNConv's is `lin.weight`).
 
@@ -79,7 +91,7 @@ def layer_weight(module: Module) -> Parameter:
     Returns:
         The weight, `[d_out, ...]`.
     """
-    if not isinstance(module, (Linear, Conv2d)) and _gnn.is_gcn(module):
+    if _is_gcn(module):
         return module.lin.weight
     return module.weight
 
@@ -109,7 +121,7 @@ def layer_input(module: Module, args: tuple, kwargs: dict[str, Any]) -> Tensor:
         The input \(x\) (`Linear`, `Conv2d`) or the aggregated node features
         \(\hat A X\), `[nodes, d_in]` (GCNConv).
     """
-    if not isinstance(module, (Linear, Conv2d)) and _gnn.is_gcn(module):
+    if _is_gcn(module):
         return _gnn.aggregated_input(module, args, kwargs)
     return args[0].detach()
 

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from singd_curvlinops.structures.base import StructuredMatrix
 
 
 def check_dim(dim: int) -> int:
@@ -89,39 +84,3 @@ def check_operand(
             "Cast one of them first."
         )
     return mat
-
-
-def check_same_structure(
-    first: StructuredMatrix, second: object, operation: str
-) -> None:
-    """Check that two operands have the same structure class, dimension and dtype.
-
-    Args:
-        first: Left operand.
-        second: Right operand.
-        operation: Verb used in the error message, e.g. `"add"`.
-
-    Raises:
-        TypeError: If `second` is not a structured matrix.
-        ValueError: If class, dimension or data type differ.
-    """
-    if (
-        type(first) is type(second)
-        and first.dim == second.dim
-        and first.dtype == second.dtype
-    ):
-        return  # the fast path of every step
-    from singd_curvlinops.structures.base import StructuredMatrix
-
-    if not isinstance(second, StructuredMatrix):
-        raise TypeError(
-            f"Cannot {operation} {first!r} and {type(second).__name__}: "
-            "expected a structured matrix of the same class."
-        )
-    if type(first) is not type(second):
-        reason = "the structures differ"
-    elif first.dim != second.dim:
-        reason = "the dimensions differ"
-    else:
-        reason = "the dtypes differ"
-    raise ValueError(f"Cannot {operation} {first!r} and {second!r}: {reason}.")

@@ -36,7 +36,6 @@ from torch import Size, Tensor
 from singd_curvlinops.structures._checks import (
     check_dim,
     check_operand,
-    check_same_structure,
     check_square,
 )
 from singd_curvlinops.structures._linalg import solve_dense
@@ -284,7 +283,7 @@ class StructuredMatrix(ABC):
             `K @ V` as a tensor, or `K @ L` as a structured matrix.
         """
         if isinstance(other, StructuredMatrix):
-            check_same_structure(self, other, "multiply")
+            _check_same_structure(self, other, "multiply")
             return self._matmul_structure(other)
         if not isinstance(other, Tensor):
             return NotImplemented
@@ -513,7 +512,7 @@ class StructuredMatrix(ABC):
         """
         if not isinstance(other, StructuredMatrix):
             return NotImplemented
-        check_same_structure(self, other, "add")
+        _check_same_structure(self, other, "add")
         return self.clone().add_(other)
 
     def __sub__(self, other: StructuredMatrix) -> StructuredMatrix:
@@ -527,7 +526,7 @@ class StructuredMatrix(ABC):
         """
         if not isinstance(other, StructuredMatrix):
             return NotImplemented
-        check_same_structure(self, other, "subtract")
+        _check_same_structure(self, other, "subtract")
         return self.clone().add_(other, alpha=-1.0)
 
     def __mul__(self, scalar: Scalar) -> StructuredMatrix:
@@ -566,7 +565,7 @@ class StructuredMatrix(ABC):
         Raises:
             TypeError: If `alpha` is not a scalar.
         """
-        check_same_structure(self, other, "add")
+        _check_same_structure(self, other, "add")
         if not _is_scalar(alpha):
             raise TypeError(f"alpha must be a number or a 0-d tensor, got {alpha!r}.")
         if isinstance(alpha, Tensor):
@@ -741,3 +740,37 @@ def _is_scalar(value: object) -> bool:
     if isinstance(value, Tensor):
         return value.ndim == 0
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_same_structure(
+    first: StructuredMatrix, second: object, operation: str
+) -> None:
+    """Check that two operands have the same structure class, dimension and dtype.
+
+    Args:
+        first: Left operand.
+        second: Right operand.
+        operation: Verb used in the error message, e.g. `"add"`.
+
+    Raises:
+        TypeError: If `second` is not a structured matrix.
+        ValueError: If class, dimension or data type differ.
+    """
+    if (
+        type(first) is type(second)
+        and first.dim == second.dim
+        and first.dtype == second.dtype
+    ):
+        return  # the fast path of every step
+    if not isinstance(second, StructuredMatrix):
+        raise TypeError(
+            f"Cannot {operation} {first!r} and {type(second).__name__}: "
+            "expected a structured matrix of the same class."
+        )
+    if type(first) is not type(second):
+        reason = "the structures differ"
+    elif first.dim != second.dim:
+        reason = "the dimensions differ"
+    else:
+        reason = "the dtypes differ"
+    raise ValueError(f"Cannot {operation} {first!r} and {second!r}: {reason}.")

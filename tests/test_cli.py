@@ -79,7 +79,7 @@ def test_python_dash_m_runs_the_command_line():
     assert result.returncode == 0, result.stderr
     assert "usage: singd-curvlinops" in result.stdout
     assert "demo" in result.stdout and "bench" in result.stdout
-    result = run_module("singd_curvlinops.bench.optimizer", "--models", "rnn")
+    result = run_module("singd_curvlinops", "bench", "--models", "rnn")
     assert result.returncode == 2
     assert "unknown model 'rnn'; choose from mlp, cnn, seq" in result.stderr
 

@@ -11,15 +11,14 @@ profiler (`singd_curvlinops.bench.memory`); the largest of their peaks, so that
 a factor update is included, is the step peak. The reference's sparse structures
 do not accept float64, so everything runs in float32 on the CPU.
 
-Run it with `singd-curvlinops bench` (see `singd-curvlinops bench --help`);
-`python -m singd_curvlinops.bench.optimizer` takes the same arguments.
+Run it with `singd-curvlinops bench` or `python -m singd_curvlinops bench` (see
+`singd-curvlinops bench --help`).
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -163,9 +162,3 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
             if reference is not None
             else None
         )
-
-
-if __name__ == "__main__":
-    from singd_curvlinops.cli import main
-
-    raise SystemExit(main(["bench", *sys.argv[1:]]))

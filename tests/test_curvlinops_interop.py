@@ -136,7 +136,7 @@ def test_set_curvature_is_used_once() -> None:
         )
         < 1e-12
     )
-    assert not opt_a._curvature
+    assert not opt_a.curvature_pending
 
 
 def test_set_curvature_rejects_mismatched_operators() -> None:
@@ -166,7 +166,7 @@ def test_set_curvature_rejects_mismatched_operators() -> None:
         optimizer.set_curvature(partial)
     with pytest.raises(TypeError, match="KFACLinearOperator"):
         optimizer.set_curvature(dense)
-    assert not optimizer._curvature
+    assert not optimizer.curvature_pending
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,8 @@ def test_structured_ikfac_fixed_point(structures) -> None:
     factors = kfac.state_dict()
     for name in ("0", "3"):
         layer = model.get_submodule(name)
-        K, C = optimizer._preconditioner(layer)[:2]
+        preconditioner = optimizer.preconditioner(layer)
+        K, C = preconditioner.K, preconditioner.C
         for M, U in (
             (K, factors["input_covariances"][name]),
             (C, factors["gradient_covariances"][name]),

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
 from singd_curvlinops import KFAC, SINGD, SINGDLinearOperator
-from singd_curvlinops.statistics import factor_dims, is_supported
+from singd_curvlinops.layers import GCNConvAdapter, adapter_for
 
 NODES, D_IN, HIDDEN, CLASSES = 9, 5, 4, 3
 TOL = 1e-10
@@ -231,14 +231,16 @@ def test_checkpoint_round_trip() -> None:
 
 
 def test_factor_dims_and_support() -> None:
-    assert factor_dims(GCNConv(D_IN, HIDDEN)) == (D_IN + 1, HIDDEN)
-    assert factor_dims(GCNConv(D_IN, HIDDEN, bias=False)) == (D_IN, HIDDEN)
-    assert is_supported(GCNConv(D_IN, HIDDEN))
+    for bias, d_K in ((True, D_IN + 1), (False, D_IN)):
+        layer = GCNConv(D_IN, HIDDEN, bias=bias)
+        adapter = adapter_for(layer)
+        assert isinstance(adapter, GCNConvAdapter)
+        assert adapter.dims(layer) == (d_K, HIDDEN)
     lazy = GCNConv(-1, HIDDEN)
-    assert not is_supported(lazy)
+    assert adapter_for(lazy) is None
     edge_index, _ = graph(weighted=False)
     lazy(torch.randn(NODES, D_IN), edge_index)  # materialises the weight
-    assert is_supported(lazy)
+    assert isinstance(adapter_for(lazy), GCNConvAdapter)
 
 
 def test_no_warning_for_gcn_parameters() -> None:

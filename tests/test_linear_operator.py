@@ -38,7 +38,8 @@ def dense_reference(model: nn.Module, optimizer: SINGD) -> Tensor:
     index = {p: i for i, p in enumerate(params)}
     matrix = torch.zeros(offsets[-1], offsets[-1], dtype=torch.float64)
     for module in (model[0], model[3], model[5]):
-        K, C = (M.to_dense() for M in optimizer._preconditioner(module)[:2])
+        preconditioner = optimizer.preconditioner(module)
+        K, C = preconditioner.K.to_dense(), preconditioner.C.to_dense()
         block = torch.kron(C @ C.T, K @ K.T)  # joint [W b], row-major
         d_out, d_K = C.shape[0], K.shape[0]
         # position of joint entry (i, j) in the concatenated parameter vector

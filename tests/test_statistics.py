@@ -14,6 +14,7 @@ from curvlinops.kfac import FisherType
 from torch import Tensor, nn
 
 from singd_curvlinops import statistics
+from singd_curvlinops.layers import Conv2dAdapter, LinearAdapter, adapter_for
 
 RTOL = 1e-12
 
@@ -82,7 +83,7 @@ def our_factors(model: nn.Module, X: Tensor, y: Tensor, loss_func, approx, avera
     captured: dict[str, dict[str, Tensor]] = {}
     handles = []
     for name, module in model.named_modules():
-        if statistics.is_supported(module):
+        if adapter_for(module) is not None:
 
             def hook(module, inputs, output, name=name):
                 captured[name] = {"x": inputs[0].detach()}
@@ -95,8 +96,9 @@ def our_factors(model: nn.Module, X: Tensor, y: Tensor, loss_func, approx, avera
     factors = {}
     for name, module in model.named_modules():
         if name in captured:
-            a = statistics.input_rows(module, captured[name]["x"], approx)
-            g = statistics.gradient_rows(module, captured[name]["g"], approx, average)
+            adapter = adapter_for(module)
+            a = adapter.input_rows(module, captured[name]["x"], approx)
+            g = adapter.gradient_rows(module, captured[name]["g"], approx, average)
             nu = statistics.gradient_scale(average, X.shape[0])
             factors[name] = (a.T @ a, nu * g.T @ g)
     return factors
@@ -171,11 +173,13 @@ def test_same_padding_with_even_kernel(approx, kernel_size) -> None:
 
 
 def test_factor_dims_and_support() -> None:
-    assert statistics.factor_dims(nn.Linear(5, 3)) == (6, 3)
-    assert statistics.factor_dims(nn.Linear(5, 3, bias=False)) == (5, 3)
-    assert statistics.factor_dims(nn.Conv2d(4, 6, 3, groups=2)) == (2 * 9 + 1, 6)
-    assert statistics.is_supported(nn.Conv2d(1, 1, 3))
-    assert not statistics.is_supported(
-        nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")
-    )
-    assert not statistics.is_supported(nn.BatchNorm1d(3))
+    def dims(module: nn.Module) -> tuple[int, int]:
+        return adapter_for(module).dims(module)
+
+    assert dims(nn.Linear(5, 3)) == (6, 3)
+    assert dims(nn.Linear(5, 3, bias=False)) == (5, 3)
+    assert dims(nn.Conv2d(4, 6, 3, groups=2)) == (2 * 9 + 1, 6)
+    assert isinstance(adapter_for(nn.Linear(1, 1)), LinearAdapter)
+    assert isinstance(adapter_for(nn.Conv2d(1, 1, 3)), Conv2dAdapter)
+    assert adapter_for(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")) is None
+    assert adapter_for(nn.BatchNorm1d(3)) is None

@@ -2,10 +2,12 @@
 
 Public API: the optimizers `SINGD` (and IKFAC through `kfac_like=True`) and the
 `KFAC` baseline, `SINGDLinearOperator` (the preconditioner as a curvlinops linear
-operator), and the structured matrices of `singd_curvlinops.structures`.
+operator), the structured matrices of `singd_curvlinops.structures`, and the layer
+adapters of `singd_curvlinops.layers` (`LayerAdapter`, `register_layer`).
 """
 
 from singd_curvlinops.kfac import KFAC
+from singd_curvlinops.layers import LayerAdapter, register_layer
 from singd_curvlinops.linear_operator import SINGDLinearOperator
 from singd_curvlinops.optimizer import SINGD
 from singd_curvlinops.structures import (
@@ -17,9 +19,11 @@ from singd_curvlinops.structures import (
 __all__ = [
     "KFAC",
     "SINGD",
+    "LayerAdapter",
     "SINGDLinearOperator",
     "StructuredMatrix",
     "get_structure",
+    "register_layer",
     "register_structure",
 ]
 __version__ = "0.1.0.dev0"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,10 +9,8 @@ import torch
 from singd_curvlinops.statistics import check_kfac_approx, check_loss_average
 from singd_curvlinops.structures import get_structure
 
-CALLABLE_LR_COV = "<callable lr_cov: restored from the optimizer on load>"
 
-
-def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
     """Check `low <= value` (and `value < high`) for a real number.
 
     Args:
@@ -81,22 +78,20 @@ def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:
     return tuple(value)
 
 
-def check_group(group: dict[str, Any], *, with_singd: bool = True) -> None:
-    """Validate the hyperparameters of a parameter group in place.
+def check_common(group: dict[str, Any]) -> None:
+    """Validate the options every Kronecker optimizer has, normalising them in place.
 
     Args:
         group: The group's options (`params` is ignored).
-        with_singd: Also check SINGD-only options (`alpha1`, `lr_cov`, ...).
 
     Raises:
         ValueError: If a value is out of range or unknown; the message names the
             argument and the allowed values.
-        TypeError: If a value has the wrong type.
     """
-    _check_number("lr", group["lr"], 0.0)
-    _check_number("momentum", group["momentum"], 0.0, 1.0)
-    _check_number("damping", group["damping"], 0.0)
-    _check_number("weight_decay", group["weight_decay"], 0.0)
+    check_number("lr", group["lr"], 0.0)
+    check_number("momentum", group["momentum"], 0.0, 1.0)
+    check_number("damping", group["damping"], 0.0)
+    check_number("weight_decay", group["weight_decay"], 0.0)
     T = group["T"]
     if isinstance(T, bool) or not isinstance(T, int) or T < 1:
         raise ValueError(f"T must be a positive int, got {T!r}.")
@@ -105,13 +100,3 @@ def check_group(group: dict[str, Any], *, with_singd: bool = True) -> None:
     group["preconditioner_dtype"] = check_preconditioner_dtype(
         group["preconditioner_dtype"]
     )
-    if not with_singd:
-        return
-    _check_number("alpha1", group["alpha1"], 0.0, 1.0)
-    lr_cov = group["lr_cov"]
-    if not isinstance(lr_cov, Callable):
-        _check_number("lr_cov", lr_cov, 0.0)
-    group["structures"] = check_structures(group["structures"])
-    for name in ("kfac_like", "normalize_lr_cov"):
-        if not isinstance(group[name], bool):
-            raise TypeError(f"{name} must be a bool, got {group[name]!r}.")

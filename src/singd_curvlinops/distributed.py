@@ -32,8 +32,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn import Parameter
 
+from singd_curvlinops.collector import PendingStatistics
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
+
+# the group options that decide what a layer's statistics are
+_EXCHANGE_OPTIONS = ("T", "loss_average", "kfac_approx")
+
+
+def initialized() -> bool:
+    """Return whether a default `torch.distributed` process group exists.
+
+    Returns:
+        False where `torch.distributed` is unavailable.
+    """
+    return dist.is_available() and dist.is_initialized()
 
 
 def world_size() -> int:
@@ -42,9 +58,7 @@ def world_size() -> int:
     Returns:
         The world size.
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    return dist.get_world_size() if initialized() else 1
 
 
 def check_same_configuration(description: str, device: torch.device) -> None:
@@ -130,19 +144,84 @@ def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
     return offset
 
 
+class StatisticsExchange:
+    """Replaces the pending statistics of the due layers by those of all processes.
+
+    Every process takes part for every due layer, with zero statistics where its
+    hooks did not fire; layers without statistics on any process end up with none.
+    Whenever the layers or their options change, the processes first compare a
+    checksum of them (`check_same_configuration`).
+    """
+
+    def __init__(self) -> None:
+        self._verified = ""
+
+    def __call__(
+        self,
+        pending: dict[Layer, PendingStatistics],
+        layers: Sequence[Layer],
+        due: Sequence[Layer],
+        *,
+        groups: Sequence[dict[str, Any]],
+        state: dict[Parameter, dict[str, Any]],
+        rule: FactorRule,
+    ) -> None:
+        """Exchange the statistics of this step.
+
+        Args:
+            pending: The collector's pending statistics (updated in place).
+            layers: The layers of this step, in the same order on every process.
+            due: Those whose factors update in this step.
+            groups: The optimizer's parameter groups.
+            state: Its state (for the gradient scale of a layer without data).
+            rule: Its factor rule (for zero statistics).
+        """
+        description = ";".join(
+            f"{layer.name}:{layer.dims}:{rule.structures(groups[layer.group_index])}:"
+            + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
+            for layer in layers
+        )
+        if description != self._verified:
+            check_same_configuration(description, layers[0].weight.device)
+            self._verified = description
+        if not due:
+            return
+        records = []
+        for layer in due:
+            record = pending.get(layer)
+            if record is None:
+                group = groups[layer.group_index]
+                H_K, H_C = rule.zero_statistics(
+                    group, layer.dims, layer.factor_dtypes(group), layer.weight.device
+                )
+                scale = state[layer.weight]["grad_scale"]
+                record = PendingStatistics(H_K, H_C, 0, scale)
+            records.append(record)
+        totals = all_reduce_statistics(
+            [(record.H_K, record.H_C, record.num_examples) for record in records]
+        )
+        for layer, record, total in zip(due, records, totals, strict=True):
+            if total == 0:
+                pending.pop(layer, None)
+            else:
+                record.num_examples = total
+                pending[layer] = record
+
+
 def bytes_per_update(optimizer: Any) -> int:
     """Return the bytes each process sends per factor update (statistics only).
 
     Args:
-        optimizer: A `SINGD` optimizer.
+        optimizer: A `SINGD` or `KFAC` optimizer.
 
     Returns:
         Size of the all-reduced buffer: every layer's stored entries of `H_K` and
         `H_C` plus one example count, in the factors' dtype.
     """
     total = 0
-    for weight in optimizer._layers:
-        K, C = optimizer._preconditioner(optimizer._layers[weight][1])[:2]
+    for layer in optimizer.layers:
+        preconditioner = optimizer.preconditioner(layer)
+        K, C = preconditioner.K, preconditioner.C
         dtype = torch.promote_types(K.dtype, C.dtype)
         total += (K.numel() + C.numel() + 1) * dtype.itemsize
     return total

@@ -14,11 +14,13 @@ solves \(K^{-\top} K^{-1}\) (no dense inverse of a sparse factor).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from curvlinops._torch_base import PyTorchLinearOperator
 from torch import Tensor
 
-from singd_curvlinops import statistics
+from singd_curvlinops._curvlinops import PyTorchLinearOperator, check_version
+from singd_curvlinops.layers import Layer
 from singd_curvlinops.structures import StructuredMatrix
 
 
@@ -43,18 +45,25 @@ class SINGDLinearOperator(PyTorchLinearOperator):
     SELF_ADJOINT = True
 
     def __init__(self, optimizer: torch.optim.Optimizer):
+        check_version()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._params = params
         self._inverse = False
-        self._square_roots = optimizer._FACTORS_ARE_SQUARE_ROOTS
-        self._blocks: list[tuple[list[int], StructuredMatrix, StructuredMatrix]] = []
+        self._blocks: list[_Block] = []
         position = {p: i for i, p in enumerate(params)}
-        for weight, (_, module) in optimizer._layers.items():
-            if weight not in position:
+        for layer in optimizer.layers:
+            if layer.weight not in position:
                 continue
-            K, C = (M.clone() for M in optimizer._preconditioner(module)[:2])
-            indices = [position[p] for p in statistics.layer_params(module)]
-            self._blocks.append((indices, K, C))
+            preconditioner = optimizer.preconditioner(layer)
+            self._blocks.append(
+                _Block(
+                    indices=[position[p] for p in layer.params],
+                    layer=layer,
+                    K=preconditioner.K.clone(),
+                    C=preconditioner.C.clone(),
+                    square_roots=preconditioner.square_roots,
+                )
+            )
         shapes = [tuple(p.shape) for p in params]
         super().__init__(shapes, shapes)
 
@@ -80,18 +89,21 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         inverse._inverse = not self._inverse
         return inverse
 
-    def _apply_side(self, factor: StructuredMatrix, V: Tensor) -> Tensor:
-        r"""Apply \(F F^\top\) (or its inverse) to the columns of `V`.
+    def _apply_side(
+        self, factor: StructuredMatrix, V: Tensor, square_roots: bool
+    ) -> Tensor:
+        r"""Apply \(F F^\top\) (or \(F\), or their inverses) to the columns of `V`.
 
         Args:
             factor: \(K\) or \(C\).
             V: Matrix `[d, n]`.
+            square_roots: Whether the side is \(F F^\top\) (SINGD) or \(F\) (KFAC).
 
         Returns:
             \(F F^\top V\), or \(F^{-\top} F^{-1} V\) for the inverse.
         """
         V = V.to(factor.dtype)
-        if not self._square_roots:  # KFAC: the factor is the side's matrix itself
+        if not square_roots:  # KFAC: the factor is the side's matrix itself
             return factor.solve(V) if self._inverse else factor @ V
         if self._inverse:
             return factor.rsolve(factor.solve(V))
@@ -107,20 +119,39 @@ class SINGDLinearOperator(PyTorchLinearOperator):
             Tensors of the same shapes.
         """
         out = [x.clone() for x in X]  # parameters outside any layer: identity
-        for indices, K, C in self._blocks:
-            weight, num = X[indices[0]], X[indices[0]].shape[-1]
-            d_out = weight.shape[0]
-            M = weight.reshape(d_out, -1, num)  # [d_out, d_in, n]
-            d_in = M.shape[1]
-            if len(indices) == 2:
-                M = torch.cat([M, X[indices[1]].unsqueeze(1)], dim=1)
-            d_K = M.shape[1]
+        for block in self._blocks:
+            params, adapter = block.layer.params, block.layer.adapter
+            M = adapter.to_matrix([X[i] for i in block.indices], params)
+            d_C, d_K, num = M.shape
             # right factor: M K Kᵀ, i.e. K Kᵀ on the d_K axis of every (row, column)
-            right = self._apply_side(K, M.permute(1, 0, 2).reshape(d_K, -1))
-            M = right.reshape(d_K, d_out, num).permute(1, 0, 2)
-            left = self._apply_side(C, M.reshape(d_out, -1)).reshape(d_out, d_K, num)
-            left = left.to(weight.dtype)
-            out[indices[0]] = left[:, :d_in].reshape_as(weight)
-            if len(indices) == 2:
-                out[indices[1]] = left[:, -1]
+            right = self._apply_side(
+                block.K, M.permute(1, 0, 2).reshape(d_K, -1), block.square_roots
+            )
+            M = right.reshape(d_K, d_C, num).permute(1, 0, 2)
+            left = self._apply_side(block.C, M.reshape(d_C, -1), block.square_roots)
+            left = left.reshape(d_C, d_K, num).to(X[block.indices[0]].dtype)
+            for i, part in zip(
+                block.indices, adapter.from_matrix(left, params), strict=True
+            ):
+                out[i] = part
         return out
+
+
+@dataclass(frozen=True)
+class _Block:
+    r"""One layer's diagonal block of the operator, with copies of its factors.
+
+    Attributes:
+        indices: Positions of the layer's parameters in the operator's order.
+        layer: The layer (for its adapter's matrix layout).
+        K: Copy of the input-side factor.
+        C: Copy of the output-side factor.
+        square_roots: Whether the block is \(C C^\top \otimes K K^\top\) (else
+            \(C \otimes K\)).
+    """
+
+    indices: list[int]
+    layer: Layer
+    K: StructuredMatrix
+    C: StructuredMatrix
+    square_roots: bool

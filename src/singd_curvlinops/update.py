@@ -15,11 +15,23 @@ and symmetrically for \(C\); IKFAC (`kfac_like=True`) drops the traces. The scal
 \(s = \tfrac12 (1 - \alpha_1)\) with `normalize_lr_cov`, where also
 \(\beta_1 \gets \beta_1 / \max(1, \|m\|_{\max})\), else \(s = \tfrac12\).
 
-These functions do not know about modules, hooks or parameter groups.
+Every step, with learning rate \(\beta_2\), momentum \(\alpha_2\) and weight decay
+\(\gamma\), `parameter_step` applies the preconditioned gradient \(\Delta\) to each
+parameter \(\theta\) as SGD does:
+
+\[
+\mu \gets \alpha_2 \mu + \Delta + \gamma \theta, \qquad
+\theta \gets \theta - \beta_2 \mu.
+\]
+
+These functions do not know about modules, hooks or parameter groups; like
+`torch.optim`'s functional optimizers they take tensors and keyword-only
+hyperparameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +151,40 @@ def precondition(
     left = right.T.to(C.dtype)
     left = CCt.matmat_(left) if CCt is not None else C @ C.rmatmat(left)
     return left.to(grad.dtype)
+
+
+def parameter_step(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+) -> None:
+    r"""Apply weight decay, momentum and the learning rate, in place.
+
+    \(\mu \gets \alpha_2 \mu + \Delta + \gamma \theta\),
+    \(\theta \gets \theta - \beta_2 \mu\) for every parameter \(\theta\) with its
+    direction \(\Delta\) and momentum buffer \(\mu\) (unused if \(\alpha_2 = 0\)).
+
+    Args:
+        params: The parameters \(\theta\) (updated in place).
+        directions: Their preconditioned gradients \(\Delta\) (overwritten).
+        momentum_buffers: Their buffers \(\mu\) (updated in place).
+        lr: Learning rate \(\beta_2\).
+        momentum: Momentum \(\alpha_2\).
+        weight_decay: Weight decay \(\gamma\).
+    """
+    for param, direction, buffer in zip(
+        params, directions, momentum_buffers, strict=True
+    ):
+        if weight_decay:
+            direction.add_(param, alpha=weight_decay)
+        if momentum:
+            # μ ← α₂μ + Δ as one pass: add(Δ, μ, alpha=α₂) written into μ
+            direction = torch.add(direction, buffer, alpha=momentum, out=buffer)  # noqa: PLW2901
+        param.add_(direction, alpha=-lr)
 
 
 def all_finite(tensors: list[Tensor]) -> Tensor:

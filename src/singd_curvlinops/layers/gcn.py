@@ -7,11 +7,13 @@ node features, with the nodes as the batch dimension. Its weight gradient is
 exactly that of `nn.Linear` on the input \(\hat A X\), which is how Izadi, Fang,
 Stevens and Li (IEEE BigData 2020) apply KFAC to graph networks.
 
-`aggregated_input` forms \(\hat A X\) with the layer's own normalisation (its cache
-when `cached=True`, else PyG's `gcn_norm` with the layer's `improved`,
-`add_self_loops` and `flow`, or no normalisation when `normalize=False`) and its
-own `propagate`, so \(\hat A\) is the matrix the layer used, for `edge_index`
-(with or without edge weights), `torch.sparse` and `SparseTensor` adjacencies.
+`GCNConvAdapter` treats the layer so: weight `lin.weight`, its own `bias`, input
+\(\hat A X\) with the nodes as examples. `aggregated_input` forms \(\hat A X\)
+with the layer's own normalisation (its cache when `cached=True`, else PyG's
+`gcn_norm` with the layer's `improved`, `add_self_loops` and `flow`, or no
+normalisation when `normalize=False`) and its own `propagate`, so \(\hat A\) is
+the matrix the layer used, for `edge_index` (with or without edge weights),
+`torch.sparse` and `SparseTensor` adjacencies.
 
 torch_geometric is optional: this module never imports it at import time, and
 `is_gcn` recognises a GCNConv only if PyG's module that defines it is loaded
@@ -25,8 +27,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.nn.parameter import is_lazy
+
+from singd_curvlinops.layers.base import LayerAdapter
 
 _GCN_MODULE = "torch_geometric.nn.conv.gcn_conv"
 _FORWARD_ARGUMENTS = ("x", "edge_index", "edge_weight")
@@ -134,3 +138,46 @@ def aggregated_input(module: Module, args: tuple, kwargs: dict[str, Any]) -> Ten
             module, x, bound["edge_index"], bound["edge_weight"]
         )
         return module.propagate(edge_index, x=x, edge_weight=edge_weight)
+
+
+class GCNConvAdapter(LayerAdapter):
+    r"""`torch_geometric.nn.GCNConv`: a linear layer on \(\hat A X\) (module docs)."""
+
+    description = "torch_geometric.nn.GCNConv"
+
+    def matches(self, module: Module) -> bool:
+        """Return whether `module` is a GCNConv with a materialised weight.
+
+        Args:
+            module: A submodule of the model.
+
+        Returns:
+            False for lazily initialised layers before their first forward pass.
+        """
+        return is_gcn(module) and is_materialized(module)
+
+    def weight(self, module: Module) -> Parameter:
+        """Return the weight of the layer's linear map, `lin.weight`.
+
+        Args:
+            module: A GCNConv.
+
+        Returns:
+            The weight `[d_out, d_in]`.
+        """
+        return module.lin.weight
+
+    def layer_input(
+        self, module: Module, args: tuple, kwargs: dict[str, Any]
+    ) -> Tensor:
+        r"""Return \(\hat A X\), `[nodes, d_in]` (see `aggregated_input`).
+
+        Args:
+            module: The GCNConv, after its forward call.
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+
+        Returns:
+            The aggregated node features, detached.
+        """
+        return aggregated_input(module, args, kwargs)

@@ -1,0 +1,28 @@
+"""`torch.nn.Linear`: the layer type that the adapter defaults describe."""
+
+from __future__ import annotations
+
+from torch.nn import Linear, Module
+
+from singd_curvlinops.layers.base import LayerAdapter
+
+
+class LinearAdapter(LayerAdapter):
+    r"""`torch.nn.Linear` on `[batch, ..., d_in]` inputs.
+
+    Weight `[d_out, d_in]`, optional bias; the dimensions between batch and
+    features (e.g. a sequence) share the weight.
+    """
+
+    description = "torch.nn.Linear"
+
+    def matches(self, module: Module) -> bool:
+        """Return whether `module` is a `Linear` layer.
+
+        Args:
+            module: A submodule of the model.
+
+        Returns:
+            True for `torch.nn.Linear` and its subclasses.
+        """
+        return isinstance(module, Linear)

@@ -1,0 +1,220 @@
+r"""The protocol of a factor rule and the records it exchanges with the optimizer.
+
+A *factor rule* owns the Kronecker factors of one layer as plain tensors in the
+layer's state: it creates them (`init_state`), turns a micro-batch's rows
+\(a\), \(\tilde g\) into the statistics it accumulates (`project`), updates the
+factors from the accumulated statistics (`update`) and states the preconditioner
+they define (`preconditioner`). Rules see tensors, structures and the options of
+a parameter group; never modules, hooks or the optimizer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.structures import StructuredMatrix, get_structure
+from singd_curvlinops.update import precondition
+
+
+@dataclass(frozen=True)
+class Preconditioner:
+    r"""A layer's preconditioner \(P = P_C \otimes P_K\), applied as \(P_C \Gamma P_K\).
+
+    With `square_roots` (SINGD, IKFAC) the sides are \(P_K = K K^\top\) and
+    \(P_C = C C^\top\), cached in `KKt`, `CCt` where that pays off (None: applied
+    as \(K (K^\top \cdot)\)). Without (KFAC), `K` and `C` are the sides themselves.
+    The matrices are the optimizer's: read them, copy before changing them.
+
+    Attributes:
+        K: Input-side factor, dimension `d_K`.
+        C: Output-side factor, dimension `d_C`.
+        square_roots: Whether the sides are \(K K^\top\), \(C C^\top\).
+        KKt: Cached \(K K^\top\), or None.
+        CCt: Cached \(C C^\top\), or None.
+    """
+
+    K: StructuredMatrix
+    C: StructuredMatrix
+    square_roots: bool = True
+    KKt: StructuredMatrix | None = None
+    CCt: StructuredMatrix | None = None
+
+    def apply(self, grad: Tensor, *, overwrite: bool = False) -> Tensor:
+        r"""Return \(P_C \Gamma P_K\) for a gradient matrix \(\Gamma\), `[d_C, d_K]`.
+
+        Args:
+            grad: The gradient matrix.
+            overwrite: Whether `grad` may be overwritten (the caller owns it).
+
+        Returns:
+            Tensor with the shape and dtype of `grad` (possibly `grad` itself).
+        """
+        if self.square_roots:
+            return precondition(
+                grad, self.K, self.C, self.KKt, self.CCt, overwrite=overwrite
+            )
+        return precondition(grad, self.K, self.C, self.K, self.C, overwrite=overwrite)
+
+
+@dataclass(frozen=True)
+class FactorStatistics:
+    r"""The statistics of one factor update of one layer, in one of two forms.
+
+    Attributes:
+        collected: \((H_K, H_C)\) as the rule's `project` formed them from the
+            training pass, accumulated over micro-batches (and processes) and
+            scaled to the conventions of \(U_K\), \(U_C\); or None.
+        handed_over: Dense \((U_K, U_C)\) from `set_curvature`, or None.
+    """
+
+    collected: tuple[StructuredMatrix, StructuredMatrix] | None = None
+    handed_over: tuple[Tensor, Tensor] | None = None
+
+
+class FactorRule(ABC):
+    """How one kind of optimizer keeps and updates a layer's Kronecker factors.
+
+    Attributes:
+        factor_sides: `(state prefix, side)` of every factor the rule keeps, side
+            0 for the input (dimension `d_K`) and 1 for the output (`d_C`).
+    """
+
+    factor_sides: tuple[tuple[str, int], ...] = ()
+
+    @abstractmethod
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Validate the rule's options of a parameter group, normalising them in place.
+
+        Args:
+            group: The group's options.
+        """
+
+    @abstractmethod
+    def structures(self, group: dict[str, Any]) -> tuple[str, str]:
+        """Return the structure names of the input- and output-side factors.
+
+        Args:
+            group: The layer's parameter group.
+
+        Returns:
+            `(K structure, C structure)`.
+        """
+
+    @abstractmethod
+    def init_state(
+        self,
+        group: dict[str, Any],
+        dims: tuple[int, int],
+        dtypes: tuple[torch.dtype, torch.dtype],
+        device: torch.device | str,
+    ) -> dict[str, Any]:
+        """Return a layer's initial factor state (plain tensors and numbers).
+
+        Args:
+            group: The layer's parameter group.
+            dims: `(d_K, d_C)`.
+            dtypes: The factors' dtypes `(K side, C side)`.
+            device: Their device.
+
+        Returns:
+            The entries to put into the layer's state.
+        """
+
+    @abstractmethod
+    def project(
+        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        r"""Return one micro-batch's statistics from the rows \(a\), \(\tilde g\).
+
+        Args:
+            preconditioner: The layer's current preconditioner.
+            a: Input rows `[rows, d_K]` (a buffer the rule may overwrite).
+            g: Output-gradient rows `[rows, d_C]` (leave intact).
+
+        Returns:
+            The two matrices that accumulate over micro-batches.
+        """
+
+    @abstractmethod
+    def zero_statistics(
+        self,
+        group: dict[str, Any],
+        dims: tuple[int, int],
+        dtypes: tuple[torch.dtype, torch.dtype],
+        device: torch.device,
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        """Return zeros shaped like `project`'s result (a process without data).
+
+        Args:
+            group: The layer's parameter group.
+            dims: `(d_K, d_C)`.
+            dtypes: The factors' dtypes.
+            device: Their device.
+
+        Returns:
+            Two zero matrices.
+        """
+
+    @abstractmethod
+    def update(
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        statistics: FactorStatistics,
+        preconditioner: Preconditioner,
+    ) -> None:
+        """Update the layer's factors in `state` from the statistics.
+
+        Args:
+            state: The layer's state; its tensors may be updated in place.
+            group: The layer's parameter group.
+            statistics: The statistics of this update.
+            preconditioner: The preconditioner before the update.
+        """
+
+    @abstractmethod
+    def preconditioner(
+        self, state: dict[str, Any], group: dict[str, Any]
+    ) -> Preconditioner:
+        """Return the preconditioner that the layer's state defines.
+
+        Args:
+            state: The layer's state.
+            group: The layer's parameter group.
+
+        Returns:
+            The preconditioner; its matrices may share the state's tensors.
+        """
+
+
+def load_factor(state: dict[str, Any], prefix: str, name: str) -> StructuredMatrix:
+    """Rebuild a structured factor from the state's `"<prefix>.<tensor>"` entries.
+
+    Args:
+        state: A layer's state.
+        prefix: The factor's prefix, e.g. `"K"`.
+        name: Its structure name.
+
+    Returns:
+        The structured matrix; its tensors are the state's tensors.
+    """
+    start = f"{prefix}."
+    tensors = {k[len(start) :]: v for k, v in state.items() if k.startswith(start)}
+    return get_structure(name).from_tensors(tensors)
+
+
+def store_factor(state: dict[str, Any], prefix: str, matrix: StructuredMatrix) -> None:
+    """Write a structured factor's tensors into the state as `"<prefix>.<tensor>"`.
+
+    Args:
+        state: A layer's state.
+        prefix: The factor's prefix.
+        matrix: The new value.
+    """
+    for key, tensor in matrix.named_tensors():
+        state[f"{prefix}.{key}"] = tensor

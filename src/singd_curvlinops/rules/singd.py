@@ -1,0 +1,247 @@
+r"""`SINGDRule`: SINGD's and IKFAC's inverse-free Riemannian factor updates.
+
+Per layer the state holds the structured factors \(K\), \(C\) (starting at the
+identity) and their Riemannian momenta \(m_K\), \(m_C\) (starting at zero) as
+`"K.<tensor>"`, `"C.<tensor>"`, `"m_K.<tensor>"`, `"m_C.<tensor>"`. The hooks
+accumulate \(H_K = \Pi(K^\top U_K K)\) and \(H_C = \Pi(C^\top U_C C)\) from the rows
+without forming \(U_K\), \(U_C\); the update is `singd_curvlinops.update`'s
+(Lin et al., ICML 2024, Fig. 1), the preconditioner \(C C^\top \otimes K K^\top\).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops._hyperparameters import (
+    check_common,
+    check_number,
+    check_structures,
+)
+from singd_curvlinops.rules.base import (
+    FactorRule,
+    FactorStatistics,
+    Preconditioner,
+    load_factor,
+    store_factor,
+)
+from singd_curvlinops.structures import StructuredMatrix, get_structure
+from singd_curvlinops.update import (
+    FactorHyperparameters,
+    factor_step,
+    momentum_increment,
+)
+
+# Riemannian momentum α₁ when a group leaves `alpha1=None`: the paper's SINGD uses
+# 0.5; IKFAC (Lin et al., 2023) has none.
+DEFAULT_ALPHA1 = {False: 0.5, True: 0.0}
+
+
+def resolved_alpha1(group: dict[str, Any]) -> float:
+    r"""Return the group's \(\alpha_1\): its value, or the default of its update.
+
+    Args:
+        group: A parameter group of `SINGD`.
+
+    Returns:
+        `alpha1`, or 0.5 for SINGD and 0 for IKFAC (`kfac_like`) if it is None.
+    """
+    alpha1 = group["alpha1"]
+    return DEFAULT_ALPHA1[group["kfac_like"]] if alpha1 is None else alpha1
+
+
+class SINGDRule(FactorRule):
+    """SINGD (and IKFAC with `kfac_like=True`) on structured factors."""
+
+    factor_sides = (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
+    _IDENTITY = ("K", "C")  # the momenta start at zero
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Validate SINGD's options of a parameter group.
+
+        Args:
+            group: The group's options.
+
+        Raises:
+            TypeError: If `kfac_like` or `normalize_lr_cov` is not a bool.
+        """
+        check_common(group)
+        if group["alpha1"] is not None:
+            check_number("alpha1", group["alpha1"], 0.0, 1.0)
+        lr_cov = group["lr_cov"]
+        if not isinstance(lr_cov, Callable):
+            check_number("lr_cov", lr_cov, 0.0)
+        group["structures"] = check_structures(group["structures"])
+        for name in ("kfac_like", "normalize_lr_cov"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be a bool, got {group[name]!r}.")
+
+    def structures(self, group: dict[str, Any]) -> tuple[str, str]:
+        """Return the group's `structures`.
+
+        Args:
+            group: The layer's parameter group.
+
+        Returns:
+            `(K structure, C structure)`.
+        """
+        return group["structures"]
+
+    def init_state(
+        self,
+        group: dict[str, Any],
+        dims: tuple[int, int],
+        dtypes: tuple[torch.dtype, torch.dtype],
+        device: torch.device | str,
+    ) -> dict[str, Any]:
+        """Return identity factors and zero momenta.
+
+        Args:
+            group: The layer's parameter group.
+            dims: `(d_K, d_C)`.
+            dtypes: The factors' dtypes.
+            device: Their device.
+
+        Returns:
+            The factors' tensors, keyed `"<prefix>.<tensor>"`.
+        """
+        state: dict[str, Any] = {}
+        for prefix, side in self.factor_sides:
+            cls = get_structure(group["structures"][side])
+            init = cls.eye if prefix in self._IDENTITY else cls.zeros
+            store_factor(
+                state, prefix, init(dims[side], dtype=dtypes[side], device=device)
+            )
+        return state
+
+    def project(
+        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        r"""Return \(\Pi(K^\top a^\top a K)\), \(\Pi(C^\top g^\top g C)\) from the rows.
+
+        Args:
+            preconditioner: The layer's preconditioner (for \(K\), \(C\)).
+            a: Input rows (overwritten by `from_inner_`).
+            g: Output-gradient rows (left intact).
+
+        Returns:
+            The two projections, without forming \(a^\top a\) or \(g^\top g\).
+        """
+        return preconditioner.K.from_inner_(a.T), preconditioner.C.from_inner(g.T)
+
+    def zero_statistics(
+        self,
+        group: dict[str, Any],
+        dims: tuple[int, int],
+        dtypes: tuple[torch.dtype, torch.dtype],
+        device: torch.device,
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        """Return zeros in the factors' structures.
+
+        Args:
+            group: The layer's parameter group.
+            dims: `(d_K, d_C)`.
+            dtypes: The factors' dtypes.
+            device: Their device.
+
+        Returns:
+            Zero matrices shaped like `project`'s.
+        """
+        return tuple(
+            get_structure(name).zeros(dim, dtype=dtype, device=device)
+            for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
+        )
+
+    def update(
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        statistics: FactorStatistics,
+        preconditioner: Preconditioner,
+    ) -> None:
+        r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta.
+
+        Args:
+            state: The layer's state (factors updated in place).
+            group: The layer's parameter group.
+            statistics: The collected \(H_K\), \(H_C\), or dense handed-over ones.
+            preconditioner: The current preconditioner (its `K`, `C` are the
+                state's tensors).
+        """
+        K, C = preconditioner.K, preconditioner.C
+        names = group["structures"]
+        m_K, m_C = (
+            load_factor(state, f"m_{p}", names[s]) for p, s in (("K", 0), ("C", 1))
+        )
+        if statistics.handed_over is not None:  # dense U: project Kᵀ U K
+            H_K, H_C = (
+                M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
+                for M, U in zip((K, C), statistics.handed_over, strict=True)
+            )
+        else:
+            H_K, H_C = statistics.collected
+        KtK, CtC = K.from_inner(), C.from_inner()
+        traces = [M.average_trace() for M in (H_K, H_C, KtK, CtC)]
+        lr_cov = group["lr_cov"]
+        hyper = FactorHyperparameters(
+            damping=group["damping"],
+            alpha1=resolved_alpha1(group),
+            lr_cov=lr_cov(state["step"]) if callable(lr_cov) else lr_cov,
+            kfac_like=group["kfac_like"],
+            normalize_lr_cov=group["normalize_lr_cov"],
+        )
+        increment_K = momentum_increment(
+            H_K, KtK, trace_H_other=traces[1], trace_KtK_other=traces[3], hyper=hyper
+        )
+        increment_C = momentum_increment(
+            H_C, CtC, trace_H_other=traces[0], trace_KtK_other=traces[2], hyper=hyper
+        )
+        for prefix, factor, momentum, increment in (
+            ("K", K, m_K, increment_K),
+            ("C", C, m_C, increment_C),
+        ):  # the factors' tensors are the state's: updated in place
+            store_factor(
+                state, f"m_{prefix}", factor_step(factor, momentum, increment, hyper)
+            )
+
+    def preconditioner(
+        self, state: dict[str, Any], group: dict[str, Any]
+    ) -> Preconditioner:
+        r"""Return \(C C^\top \otimes K K^\top\), caching the products that pay off.
+
+        A dense \(K K^\top\) costs \(2d^3\) and then \(2d^2 n\) per use on
+        \(n\) columns, applying \(K\) and \(K^\top\) costs \(4d^2 n\): forming
+        it pays off if it serves several steps (`T > 1`) or if \(d < n\) (the
+        smaller side of a layer). For sparse structures it costs less than
+        applying \(K\) once.
+
+        Args:
+            state: The layer's state.
+            group: The layer's parameter group.
+
+        Returns:
+            The preconditioner; `K` and `C` share the state's tensors.
+        """
+        names = group["structures"]
+        K, C = load_factor(state, "K", names[0]), load_factor(state, "C", names[1])
+        reuse = group["T"] > 1
+        KKt, CCt = (
+            M.outer_self() if reuse or M.numel() < M.dim**2 or M.dim < n else None
+            for M, n in ((K, C.dim), (C, K.dim))
+        )
+        return Preconditioner(K, C, square_roots=True, KKt=KKt, CCt=CCt)
+
+
+def _symmetric(mat: Tensor) -> Tensor:
+    """Return the symmetric part of a square matrix (removes round-off asymmetry).
+
+    Args:
+        mat: Square matrix.
+
+    Returns:
+        `(mat + mat.T) / 2`.
+    """
+    return (mat + mat.T) / 2

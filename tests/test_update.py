@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from singd_curvlinops.structures import get_structure
-from singd_curvlinops.update import precondition
+from singd_curvlinops.update import parameter_step, precondition
 
 STRUCTURES = ["dense", "diagonal", "block2diagonal", "hierarchical2_1", "triltoeplitz"]
 
@@ -53,3 +53,29 @@ def test_a_cast_to_the_factor_dtype_never_writes_into_the_gradient() -> None:
     assert torch.equal(grad, original)
     expected = (C.to_dense() ** 2) @ original.double() @ (K.to_dense() ** 2)
     torch.testing.assert_close(result.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.5, 0.1)])
+def test_parameter_step_is_sgd_on_the_directions(momentum, weight_decay) -> None:
+    """`parameter_step` equals `torch.optim.SGD` fed the directions as gradients."""
+    generator = torch.Generator().manual_seed(0)
+    ours = [torch.randn(4, 3, generator=generator, dtype=torch.float64)]
+    ours.append(torch.randn(4, generator=generator, dtype=torch.float64))
+    theirs = [torch.nn.Parameter(p.clone()) for p in ours]
+    sgd = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    buffers = [torch.zeros_like(p) for p in ours]
+    for _ in range(4):
+        directions = [torch.randn_like(p) for p in ours]
+        for p, d in zip(theirs, directions, strict=True):
+            p.grad = d.clone()
+        sgd.step()
+        parameter_step(
+            ours,
+            directions,
+            buffers,
+            lr=0.1,
+            momentum=momentum,
+            weight_decay=weight_decay,
+        )
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q.detach(), rtol=1e-14, atol=1e-14)

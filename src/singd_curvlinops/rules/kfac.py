@@ -35,11 +35,7 @@ class KFACRule(FactorRule):
     factor_sides = (("A", 0), ("G", 1))
 
     def check_group(self, group: dict[str, Any]) -> None:
-        """Validate KFAC's options; SINGD-only options are removed from the group.
-
-        Args:
-            group: The group's options.
-        """
+        """Validate KFAC's options; SINGD-only options are removed."""
         for key in _SINGD_ONLY:
             group.pop(key, None)
         group["structures"] = ("dense", "dense")  # KFAC's factors are dense
@@ -47,14 +43,7 @@ class KFACRule(FactorRule):
         check_number("ema_decay", group["ema_decay"], 0.0, 1.0)
 
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:
-        """Return `("dense", "dense")`.
-
-        Args:
-            group: The layer's parameter group.
-
-        Returns:
-            KFAC's factor structures.
-        """
+        """Return `("dense", "dense")`: KFAC's factors are dense."""
         return ("dense", "dense")
 
     def init_state(
@@ -64,17 +53,7 @@ class KFACRule(FactorRule):
         dtypes: tuple[torch.dtype, torch.dtype],
         device: torch.device | str,
     ) -> dict[str, Any]:
-        """Return zero factors and no updates.
-
-        Args:
-            group: The layer's parameter group.
-            dims: `(d_K, d_C)`.
-            dtypes: The factors' dtypes.
-            device: Their device.
-
-        Returns:
-            `"A.mat"`, `"G.mat"` and `"updates"`.
-        """
+        """Return zero factors `A`, `G` and no updates."""
         state: dict[str, Any] = {
             f"{prefix}.mat": torch.zeros(
                 dims[side], dims[side], dtype=dtypes[side], device=device
@@ -87,16 +66,7 @@ class KFACRule(FactorRule):
     def project(
         self, preconditioner: Preconditioner, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        r"""Return the dense \(a^\top a\) and \(g^\top g\).
-
-        Args:
-            preconditioner: Unused (KFAC's statistics do not depend on it).
-            a: Input rows `[rows, d_K]`.
-            g: Output-gradient rows `[rows, d_C]`.
-
-        Returns:
-            The two dense statistics.
-        """
+        r"""Return the dense \(a^\top a\) and \(g^\top g\)."""
         return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
 
     def zero_statistics(
@@ -106,17 +76,7 @@ class KFACRule(FactorRule):
         dtypes: tuple[torch.dtype, torch.dtype],
         device: torch.device,
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        """Return dense zeros.
-
-        Args:
-            group: The layer's parameter group.
-            dims: `(d_K, d_C)`.
-            dtypes: The factors' dtypes.
-            device: Their device.
-
-        Returns:
-            Zero matrices of the factors' dimensions and dtypes.
-        """
+        """Return dense zeros."""
         return tuple(
             DenseMatrix.zeros(dim, dtype=dtype, device=device)
             for dim, dtype in zip(dims, dtypes, strict=True)
@@ -129,14 +89,7 @@ class KFACRule(FactorRule):
         statistics: FactorStatistics,
         preconditioner: Preconditioner,
     ) -> None:
-        r"""Average the new statistics into \(A\), \(G\).
-
-        Args:
-            state: The layer's state (factors updated in place).
-            group: The layer's parameter group.
-            statistics: Dense collected or handed-over statistics.
-            preconditioner: Unused (the inverses are derived from the factors).
-        """
+        r"""Average the statistics into \(A\), \(G\) (the first update: as they are)."""
         if statistics.handed_over is not None:
             U_K, U_C = statistics.handed_over
         else:
@@ -150,15 +103,7 @@ class KFACRule(FactorRule):
     def preconditioner(
         self, state: dict[str, Any], group: dict[str, Any]
     ) -> Preconditioner:
-        r"""Return the damped inverses (the identity before the first update).
-
-        Args:
-            state: The layer's state.
-            group: The layer's parameter group.
-
-        Returns:
-            `K` \(= (A + \lambda I)^{-1}\), `C` \(= (G + \lambda I)^{-1}\).
-        """
+        r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I)."""
         inverses = []
         for prefix, _ in self.factor_sides:
             factor = state[f"{prefix}.mat"]

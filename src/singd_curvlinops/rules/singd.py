@@ -60,14 +60,7 @@ class SINGDRule(FactorRule):
     _IDENTITY = ("K", "C")  # the momenta start at zero
 
     def check_group(self, group: dict[str, Any]) -> None:
-        """Validate SINGD's options of a parameter group.
-
-        Args:
-            group: The group's options.
-
-        Raises:
-            TypeError: If `kfac_like` or `normalize_lr_cov` is not a bool.
-        """
+        """Validate SINGD's options (`alpha1` may be None, `lr_cov` a callable)."""
         check_common(group)
         if group["alpha1"] is not None:
             check_number("alpha1", group["alpha1"], 0.0, 1.0)
@@ -80,14 +73,7 @@ class SINGDRule(FactorRule):
                 raise TypeError(f"{name} must be a bool, got {group[name]!r}.")
 
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:
-        """Return the group's `structures`.
-
-        Args:
-            group: The layer's parameter group.
-
-        Returns:
-            `(K structure, C structure)`.
-        """
+        """Return the group's `structures`."""
         return group["structures"]
 
     def init_state(
@@ -97,17 +83,7 @@ class SINGDRule(FactorRule):
         dtypes: tuple[torch.dtype, torch.dtype],
         device: torch.device | str,
     ) -> dict[str, Any]:
-        """Return identity factors and zero momenta.
-
-        Args:
-            group: The layer's parameter group.
-            dims: `(d_K, d_C)`.
-            dtypes: The factors' dtypes.
-            device: Their device.
-
-        Returns:
-            The factors' tensors, keyed `"<prefix>.<tensor>"`.
-        """
+        """Return identity factors `K`, `C` and zero momenta `m_K`, `m_C`."""
         state: dict[str, Any] = {}
         for prefix, side in self.factor_sides:
             cls = get_structure(group["structures"][side])
@@ -120,16 +96,8 @@ class SINGDRule(FactorRule):
     def project(
         self, preconditioner: Preconditioner, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        r"""Return \(\Pi(K^\top a^\top a K)\), \(\Pi(C^\top g^\top g C)\) from the rows.
-
-        Args:
-            preconditioner: The layer's preconditioner (for \(K\), \(C\)).
-            a: Input rows (overwritten by `from_inner_`).
-            g: Output-gradient rows (left intact).
-
-        Returns:
-            The two projections, without forming \(a^\top a\) or \(g^\top g\).
-        """
+        r"""Return \(\Pi(K^\top a^\top a K)\) and \(\Pi(C^\top g^\top g C)\)."""
+        # `a` is a buffer of ours (overwritten), `g` may be autograd's (left intact)
         return preconditioner.K.from_inner_(a.T), preconditioner.C.from_inner(g.T)
 
     def zero_statistics(
@@ -139,17 +107,7 @@ class SINGDRule(FactorRule):
         dtypes: tuple[torch.dtype, torch.dtype],
         device: torch.device,
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        """Return zeros in the factors' structures.
-
-        Args:
-            group: The layer's parameter group.
-            dims: `(d_K, d_C)`.
-            dtypes: The factors' dtypes.
-            device: Their device.
-
-        Returns:
-            Zero matrices shaped like `project`'s.
-        """
+        """Return zeros in the factors' structures."""
         return tuple(
             get_structure(name).zeros(dim, dtype=dtype, device=device)
             for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
@@ -162,15 +120,7 @@ class SINGDRule(FactorRule):
         statistics: FactorStatistics,
         preconditioner: Preconditioner,
     ) -> None:
-        r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta.
-
-        Args:
-            state: The layer's state (factors updated in place).
-            group: The layer's parameter group.
-            statistics: The collected \(H_K\), \(H_C\), or dense handed-over ones.
-            preconditioner: The current preconditioner (its `K`, `C` are the
-                state's tensors).
-        """
+        r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta, in place."""
         K, C = preconditioner.K, preconditioner.C
         names = group["structures"]
         m_K, m_C = (

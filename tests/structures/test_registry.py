@@ -45,11 +45,46 @@ def test_families_any_size():
 
 @pytest.mark.parametrize(
     "name",
-    ["Dense", "block0diagonal", "blockdiagonal", "hierarchical15", "toeplitz", ""],
+    ["Dense", "blockdiagonal", "hierarchical15", "toeplitz", "", "block\u0663diagonal"],
 )
 def test_unknown_names_list_the_valid_ones(name):
+    """Sizes are ASCII digits: int() would read "\u0663" (Arabic-Indic) as 3."""
     with pytest.raises(ValueError, match="Valid names: .*dense.*block\\{B\\}diagonal"):
         get_structure(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("block0diagonal", r"B must be in \[1, 2147483647\], got 0\."),
+        ("block2147483648diagonal", r"B must be in \[1, 2147483647\], got 2147483648"),
+        ("block" + "1" * 21 + "diagonal", "B must be in .*, got 21 digits"),
+        ("block" + "9" * 5000 + "diagonal", r"B must be in .*, got 5000 digits\."),
+        (
+            "hierarchical1_" + "1" * 20,
+            r"K2 must be in \[0, 2147483647\], got 20 digits",
+        ),
+        ("hierarchical4294967296_1", "K1 must be in .*, got 4294967296"),
+        ("block030diagonal", "write B without leading zeros"),
+        ("hierarchical00_1", "write K1 without leading zeros"),
+    ],
+)
+def test_absurd_family_sizes_fail_the_name_check(name, message):
+    """They used to pass it and overflow later, inside torch."""
+    with pytest.raises(ValueError, match=f"Invalid structure name .*: {message}"):
+        get_structure(name)
+
+
+def test_largest_family_sizes_work():
+    Block = get_structure("block2147483647diagonal")
+    assert Block.BLOCK_DIM == 2**31 - 1
+    assert torch.equal(Block.eye(3).to_dense(), torch.eye(3))
+    H = get_structure("hierarchical2147483647_0")
+    assert torch.equal((H.eye(3) @ torch.ones(3)), torch.ones(3))
+    with pytest.raises(ValueError, match="block_dim must be in"):
+        block_diagonal(2**31)
+    with pytest.raises(TypeError, match="K1 must be an int"):
+        hierarchical(1.0, 2)
 
 
 def test_name_must_be_a_string():

@@ -216,6 +216,7 @@ def test_good_scalars(name):
         assert result.dtype == torch.float64
         assert torch.allclose(result.to_dense(), expected)
         assert torch.allclose((K * two).to_dense(), 2.0 * K.to_dense())
+        assert torch.allclose(K.clone().add_(K, alpha=two).to_dense(), 3 * K.to_dense())
 
 
 def test_undefined_operators_raise_type_errors():

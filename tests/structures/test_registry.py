@@ -120,8 +120,12 @@ def test_register_user_structure_with_dense_fallbacks():
     try:
         cls = get_structure("scaledidentity")
         assert cls is ScaledIdentity and "scaledidentity" in structure_names()
-        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.eye"):
+        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.eye") as caught:
             K = cls.eye(3, dtype=torch.float64)
+        assert caught[0].filename == __file__  # the caller, not the package
+        with pytest.warns(DenseFallbackWarning, match="diag_add_") as caught:
+            K.clone().diag_add_(1.0)
+        assert caught[0].filename == __file__
         with pytest.warns(DenseFallbackWarning):
             X = torch.randn(3, 2, dtype=torch.float64)
             H = K.from_inner(X)

@@ -31,6 +31,7 @@ Contract for subclasses:
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -68,6 +69,13 @@ class StructuredMatrix(ABC):
     Operators follow `torch.Tensor`: `K @ V` multiplies a tensor `V` of shape
     `[d]` or `[d, n]` (or a structure of the same class and dimension), `K + L`
     adds, `K * s` scales, and the in-place methods return `self` so calls chain.
+
+    Every public method checks its arguments and raises `TypeError` for one of the
+    wrong kind (not a tensor, an integer or complex tensor or dtype, a vector where
+    a scalar belongs) and `ValueError` for a wrong value (a shape, dtype or device
+    that does not match the matrix, a dimension out of range); the message names the
+    argument and what is allowed, and a failed in-place method leaves the matrix
+    unchanged. Operands may have zero columns.
     """
 
     # NumPy must not broadcast its arrays over a matrix (`ndarray * K` would build an
@@ -90,28 +98,26 @@ class StructuredMatrix(ABC):
             name: Attribute name under which the tensor becomes available.
 
         Raises:
-            TypeError: If `name` is not a string.
             ValueError: If `name` is already in use, or `tensor`'s dtype or device
                 differs from that of the tensors registered before.
         """
-        if self._tensor_names:
-            first = getattr(self, self._tensor_names[0])
+        names = self._tensor_names
+        if names:  # every result of an operation passes here: test cheaply first
+            first = getattr(self, names[0])
             if not (
                 isinstance(tensor, Tensor)
-                and tensor.dtype == first.dtype
-                and tensor.device == first.device
+                and tensor.dtype is first.dtype  # dtypes are singletons
+                and ((tensor.is_cpu and first.is_cpu) or tensor.device == first.device)
             ):
                 check_float_tensor(tensor, name)
                 raise ValueError(
                     f"The tensor {name!r} ({tensor.dtype}, {tensor.device}) must have "
-                    f"the dtype and device of {self._tensor_names[0]!r} "
+                    f"the dtype and device of {names[0]!r} "
                     f"({first.dtype}, {first.device})."
                 )
-        else:
-            check_float_tensor(tensor, name)  # the others are then valid as well
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {type(name).__name__}.")
-        if name in self._tensor_names or hasattr(self, name):
+        elif not (isinstance(tensor, Tensor) and tensor.dtype in FLOAT_DTYPES):
+            check_float_tensor(tensor, name)  # raises; later tensors match this one
+        if name in names or hasattr(self, name):
             raise ValueError(f"Tensor name {name!r} is already in use.")
         setattr(self, name, tensor)
         self._tensor_names.append(name)
@@ -834,14 +840,21 @@ class StructuredMatrix(ABC):
     def _warn_dense_fallback(cls, method: str) -> None:
         """Warn that `method` of `cls` goes through a dense matrix.
 
+        The warning names the first caller outside this package's structures (the
+        public method and its hook sit at different depths).
+
         Args:
             method: Name of the method that falls back.
         """
+        frame, level = sys._getframe(1), 2
+        inside = f"{__package__}."
+        while frame.f_back and frame.f_globals.get("__name__", "").startswith(inside):
+            frame, level = frame.f_back, level + 1
         warnings.warn(
             f"{cls.__name__}.{method} falls back to a dense matrix; implement it "
             "using the structure to save time and memory.",
             DenseFallbackWarning,
-            stacklevel=3,
+            stacklevel=level,
         )
 
     @staticmethod

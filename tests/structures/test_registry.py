@@ -71,7 +71,7 @@ def test_unknown_names_list_the_valid_ones(name):
 )
 def test_absurd_family_sizes_fail_the_name_check(name, message):
     """They used to pass it and overflow later, inside torch."""
-    with pytest.raises(ValueError, match=f"Invalid structure name .*: {message}"):
+    with pytest.raises(ValueError, match=f"Unknown structure .*; {message}"):
         get_structure(name)
 
 

@@ -79,42 +79,44 @@ def get_structure(name: str) -> type[StructuredMatrix]:
         return _BUILTIN[name]
     if name in _USER:
         return _USER[name]
+    problems = []
     if match := _BLOCK_PATTERN.fullmatch(name):
-        return block_diagonal(_parse_size(match.group(1), "B", 1, name))
-    if match := _HIERARCHICAL_PATTERN.fullmatch(name):
-        K1 = _parse_size(match.group(1), "K1", 0, name)
-        return hierarchical(K1, _parse_size(match.group(2), "K2", 0, name))
+        problems = _size_problems(match, ("B",), 1)
+        if not problems:
+            return block_diagonal(int(match.group(1)))
+    elif match := _HIERARCHICAL_PATTERN.fullmatch(name):
+        problems = _size_problems(match, ("K1", "K2"), 0)
+        if not problems:
+            return hierarchical(int(match.group(1)), int(match.group(2)))
+    shown = name if len(name) <= 60 else f"{name[:40]}...{name[-15:]}"
     raise ValueError(
-        f"Unknown structure {name!r}. Valid names: {', '.join(structure_names())} "
-        f"(B in [1, {MAX_SIZE}], K1, K2 in [0, {MAX_SIZE}])."
+        f"Unknown structure {shown!r}. Valid names: {', '.join(structure_names())} "
+        f"(B in [1, {MAX_SIZE}], K1, K2 in [0, {MAX_SIZE}], without leading zeros)"
+        + "".join(f"; {problem}" for problem in problems)
+        + "."
     )
 
 
-def _parse_size(digits: str, symbol: str, low: int, name: str) -> int:
-    """Read a size from a family name, e.g. `"30"` from `"block30diagonal"`.
+def _size_problems(match: re.Match, symbols: tuple[str, ...], low: int) -> list[str]:
+    """Say what is wrong with the sizes in a family name (`"0"` in `block0diagonal`).
 
     Args:
-        digits: The size as written, ASCII digits.
-        symbol: The size's symbol in the family name, e.g. `"B"`.
+        match: The match of the family's pattern; group `i + 1` holds size `i`.
+        symbols: The sizes' symbols, e.g. `("K1", "K2")`.
         low: Smallest allowed size.
-        name: The whole structure name, for the error message.
 
     Returns:
-        The size.
-
-    Raises:
-        ValueError: If the size has leading zeros or lies outside `[low, MAX_SIZE]`.
+        One message per invalid size (leading zeros, outside `[low, MAX_SIZE]`).
     """
-    shown = name if len(name) <= 60 else f"{name[:40]}...{name[-15:]}"
-    too_long = len(digits) > len(str(MAX_SIZE))  # int() of 5000 digits raises
-    if len(digits) > 1 and digits.startswith("0"):
-        problem = f"write {symbol} without leading zeros"
-    elif too_long or not low <= int(digits) <= MAX_SIZE:
-        got = f"{len(digits)} digits" if too_long else digits
-        problem = f"{symbol} must be in [{low}, {MAX_SIZE}], got {got}"
-    else:
-        return int(digits)
-    raise ValueError(f"Invalid structure name {shown!r}: {problem}.")
+    problems = []
+    for symbol, digits in zip(symbols, match.groups(), strict=True):
+        too_long = len(digits) > len(str(MAX_SIZE))  # int() of 5000 digits raises
+        if len(digits) > 1 and digits.startswith("0"):
+            problems.append(f"write {symbol} without leading zeros")
+        elif too_long or not low <= int(digits) <= MAX_SIZE:
+            got = f"{len(digits)} digits" if too_long else digits
+            problems.append(f"{symbol} must be in [{low}, {MAX_SIZE}], got {got}")
+    return problems
 
 
 def register_structure(name: str, cls: type[StructuredMatrix]) -> None:

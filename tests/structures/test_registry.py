@@ -83,8 +83,18 @@ def test_largest_family_sizes_work():
     assert torch.equal((H.eye(3) @ torch.ones(3)), torch.ones(3))
     with pytest.raises(ValueError, match="block_dim must be in"):
         block_diagonal(2**31)
-    with pytest.raises(TypeError, match="K1 must be an int"):
-        hierarchical(1.0, 2)
+
+
+def test_family_sizes_of_other_types_are_rejected_after_valid_ones():
+    """1.0 and True hash like 1: the class cache must not answer before the check."""
+    assert hierarchical(1, 2) is hierarchical(1, 2)
+    assert block_diagonal(1) is block_diagonal(1)
+    for K1 in (1.0, True):
+        with pytest.raises(TypeError, match="K1 must be an int"):
+            hierarchical(K1, 2)
+    for B in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="block_dim must be an int"):
+            block_diagonal(B)
 
 
 def test_name_must_be_a_string():

@@ -203,7 +203,6 @@ class BlockDiagonalMatrix(StructuredMatrix):
         )
 
 
-@functools.cache
 def block_diagonal(block_dim: int) -> type[BlockDiagonalMatrix]:
     r"""Return the block-diagonal structure class with block size `block_dim`.
 
@@ -214,7 +213,20 @@ def block_diagonal(block_dim: int) -> type[BlockDiagonalMatrix]:
         A subclass of `BlockDiagonalMatrix` named `Block{B}DiagonalMatrix`; the same
         class object for every call with the same size.
     """
-    check_size(block_dim, "block_dim", 1)
+    # checked before the cache: 1.0 and True hash like 1 and would hit its entry
+    return _block_diagonal(check_size(block_dim, "block_dim", 1))
+
+
+@functools.cache
+def _block_diagonal(block_dim: int) -> type[BlockDiagonalMatrix]:
+    """Create the class for a valid block size, once per size (see `block_diagonal`).
+
+    Args:
+        block_dim: Block size.
+
+    Returns:
+        The class.
+    """
     name = f"Block{block_dim}DiagonalMatrix"
     return type(
         name,

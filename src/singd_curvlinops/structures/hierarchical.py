@@ -241,7 +241,6 @@ class HierarchicalMatrix(StructuredMatrix):
         return torch.linalg.vector_norm(norms)
 
 
-@functools.cache
 def hierarchical(K1: int, K2: int) -> type[HierarchicalMatrix]:
     """Return the hierarchical structure class with corner sizes `K1` and `K2`.
 
@@ -253,8 +252,21 @@ def hierarchical(K1: int, K2: int) -> type[HierarchicalMatrix]:
         A subclass of `HierarchicalMatrix` named `Hierarchical{K1}_{K2}Matrix`; the
         same class object for every call with the same sizes.
     """
-    check_size(K1, "K1", 0)
-    check_size(K2, "K2", 0)
+    # checked before the cache: 1.0 and True hash like 1 and would hit its entry
+    return _hierarchical(check_size(K1, "K1", 0), check_size(K2, "K2", 0))
+
+
+@functools.cache
+def _hierarchical(K1: int, K2: int) -> type[HierarchicalMatrix]:
+    """Create the class for valid sizes, once per pair (see `hierarchical`).
+
+    Args:
+        K1: Maximum size of the top-left dense block.
+        K2: Maximum size of the bottom-right dense block.
+
+    Returns:
+        The class.
+    """
     name = f"Hierarchical{K1}_{K2}Matrix"
     return type(
         name,

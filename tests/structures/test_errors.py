@@ -6,6 +6,7 @@ argument and what is allowed.
 """
 
 import re
+from fractions import Fraction
 from numbers import Real
 
 import numpy as np
@@ -169,6 +170,7 @@ BAD_SCALARS = [
     (True, TypeError, "got bool"),
     (1j, TypeError, "got complex"),
     ("1.0", TypeError, "got str"),
+    (Fraction(1, 2), TypeError, "got Fraction"),
     (None, TypeError, "got NoneType"),
     (np.ones(DIM), TypeError, "got ndarray"),
     (10**30, ValueError, "does not fit into int64: pass it as a float"),
@@ -210,7 +212,7 @@ def test_good_scalars(name):
         (2.0, 3.0),
         (torch.tensor(2), torch.tensor(3, dtype=torch.int8)),
         (torch.tensor(2.0, dtype=torch.float16), torch.tensor(3.0)),
-        (np.float64(2.0), 2**62 - 2**62 + 3),
+        (np.float32(2.0), np.int64(3)),  # NumPy scalars, as torch takes them
     ]:
         result = K.clone().mul_(two).diag_add_(three)
         assert result.dtype == torch.float64

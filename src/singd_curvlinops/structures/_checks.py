@@ -195,10 +195,10 @@ def check_operand(
 def check_scalar(value: object, name: str, device: torch.device) -> None:
     """Check a scalar factor or summand of a structured matrix.
 
-    Allowed are real numbers (`int` in the int64 range, `float`, NumPy's real
-    scalars; not `bool`), and 0-d tensors of
-    a dtype in `REAL_DTYPES` (floating or integer, not `bool` or complex) on the CPU
-    or on `device`. A 0-d tensor keeps the value on its device, which avoids a host
+    Allowed are the real numbers torch takes as scalars, `int` (in the int64 range)
+    and `float` and NumPy's real scalars (not `bool`), and 0-d tensors of a dtype in
+    `REAL_DTYPES` (floating or integer, not `bool` or complex) on the CPU or on
+    `device`. A 0-d tensor keeps the value on its device, which avoids a host
     synchronisation.
 
     Args:
@@ -208,12 +208,12 @@ def check_scalar(value: object, name: str, device: torch.device) -> None:
 
     Raises:
         TypeError: If `value` is no real scalar (e.g. a vector, a bool, a complex
-            number).
+            number, a `Fraction`).
         ValueError: If an int is too large, or a tensor is on another device.
     """
     if type(value) is float:  # the common case: no further checks
         return
-    allowed = f"{name} must be a real number or a 0-d real tensor"
+    allowed = f"{name} must be a real number (int, float) or a 0-d real tensor"
     if isinstance(value, Tensor):
         if value.ndim != 0 or value.dtype not in REAL_DTYPES:
             raise TypeError(
@@ -226,7 +226,10 @@ def check_scalar(value: object, name: str, device: torch.device) -> None:
                 f"tensor on {value.device}."
             )
         return
-    if isinstance(value, bool) or not isinstance(value, Real):
+    # NumPy's real scalars (float32, int64, ...) have a dtype; Fraction, also a
+    # numbers.Real, has none, and torch rejects it
+    number = isinstance(value, (int, float)) or hasattr(value, "dtype")
+    if isinstance(value, bool) or not (isinstance(value, Real) and number):
         raise TypeError(f"{allowed}, got {type(value).__name__}: {value!r:.60}.")
     if isinstance(value, Integral) and not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
         raise ValueError(

@@ -43,8 +43,8 @@ FAMILIES = [
     "triutopleftdiag",
 ]
 EXAMPLES = 40
-# no example database: a failure prints the falsifying example and its seed instead
-# of leaving a .hypothesis/ folder in the repository
+# no example database to replay: a failure prints the falsifying example (the seed
+# of the entries included), which is what reproduces it on another machine
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None)
 
 _LOOP_SUITES = {

@@ -2,17 +2,21 @@
 
 Each function parses one argument's text for `argparse` (`type=`) and raises
 `argparse.ArgumentTypeError` with a message that names the allowed values, so
-that bad input exits with code 2 before any work starts.
+that bad input exits with code 2 before any work starts. That includes output
+files: a path that cannot be written is reported at parsing, not by a traceback
+after a whole run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from singd_curvlinops.bench.workloads import MODELS
 from singd_curvlinops.demo.optimizers import OptimizerSpec, parse_optimizers
+from singd_curvlinops.demo.training import MAX_SEED
 from singd_curvlinops.structures import get_structure
 
 
@@ -20,25 +24,30 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the line breaks of descriptions and epilogs (tables, examples)."""
 
 
-def integer(text: str, low: int, kind: str) -> int:
-    """Parse an integer of at least `low`.
+#: `torch.set_num_threads` takes a C int.
+MAX_THREADS = 2**31 - 1
+
+
+def integer(text: str, low: int, kind: str, high: int | None = None) -> int:
+    """Parse an integer in `[low, high]`.
 
     Args:
         text: The argument.
         low: Smallest allowed value.
         kind: Description for the error message, e.g. `"a positive integer"`.
+        high: Largest allowed value; None: no limit.
 
     Returns:
         The integer.
 
     Raises:
-        ArgumentTypeError: If `text` is no integer or below `low`.
+        ArgumentTypeError: If `text` is no integer or out of range.
     """
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
         raise argparse.ArgumentTypeError(f"expected {kind}, got {value}")
     return value
 
@@ -65,6 +74,30 @@ def non_negative_int(text: str) -> int:
         The integer, at least 0.
     """
     return integer(text, 0, "a non-negative integer")
+
+
+def seed(text: str) -> int:
+    """Parse a seed for `torch.manual_seed` (an argparse `type`).
+
+    Args:
+        text: The argument.
+
+    Returns:
+        The seed, in `[0, MAX_SEED]`.
+    """
+    return integer(text, 0, f"an integer in [0, {MAX_SEED}] (2**64 - 1)", MAX_SEED)
+
+
+def threads(text: str) -> int:
+    """Parse a number of torch threads (an argparse `type`).
+
+    Args:
+        text: The argument.
+
+    Returns:
+        The number, in `[1, MAX_THREADS]`.
+    """
+    return integer(text, 1, f"an integer in [1, {MAX_THREADS}]", MAX_THREADS)
 
 
 def comma_list(text: str, what: str) -> list[str]:
@@ -167,11 +200,11 @@ def output_file(suffix: str) -> Callable[[str], Path]:
         suffix: Required file name ending, e.g. `".png"`.
 
     Returns:
-        A function that checks the suffix and that the folder exists.
+        A function that checks the suffix and that the file can be written.
     """
 
     def parse(text: str) -> Path:
-        """Check an output path.
+        """Check an output path before any work starts.
 
         Args:
             text: The path.
@@ -180,13 +213,42 @@ def output_file(suffix: str) -> Callable[[str], Path]:
             The path.
 
         Raises:
-            ArgumentTypeError: If the suffix is wrong or the folder is missing.
+            ArgumentTypeError: If the suffix is wrong or the file cannot be written.
         """
         path = Path(text)
         if path.suffix.lower() != suffix:
             raise argparse.ArgumentTypeError(f"expected a {suffix} file, got {text!r}")
-        if not path.parent.is_dir():
-            raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} not found")
+        problem = _write_problem(text, path)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
         return path
 
     return parse
+
+
+def _write_problem(text: str, path: Path) -> str | None:
+    """Say why a file could not be created or overwritten at `path`, if it could not.
+
+    Uses `os.access`, which asks the operating system without creating anything
+    (and knows that root may write anywhere except on read-only file systems).
+
+    Args:
+        text: The path as given (a trailing separator names a folder).
+        path: The path.
+
+    Returns:
+        The reason, or None if the file can be written.
+    """
+    folder = path.parent
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        return "that is a folder"
+    if not folder.exists():
+        return f"folder {str(folder)!r} not found"
+    if not folder.is_dir():
+        return f"{str(folder)!r} is not a folder"
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            return "the file is not writable"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {str(folder)!r} is not writable"
+    return None

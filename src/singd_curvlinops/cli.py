@@ -8,15 +8,20 @@
   print Markdown tables.
 
 `main(argv)` parses `argv` (default: `sys.argv[1:]`) and returns the exit code;
-bad arguments exit with code 2 and a message that names the allowed values.
+bad arguments, unwritable output files included, exit with code 2 and a message that
+names the allowed values before any work starts. Output into a pipe that its reader
+has closed (`singd-curvlinops demo | head -1`) ends the program quietly with exit
+code 141, as if stopped by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +37,9 @@ from singd_curvlinops.demo.training import TRAIN_EXAMPLES
 
 BENCH_STRUCTURES = "dense, diagonal, block30diagonal, hierarchical15_15, triltoeplitz"
 DEMO_PLOT = "singd-curvlinops-demo.png"
+#: Exit status after a closed output pipe: that of a process stopped by SIGPIPE
+#: (128 + 13), which is what shells report for `yes | head -1`.
+EXIT_CLOSED_PIPE = 141
 
 
 _DEMO_DESCRIPTION = """\
@@ -163,14 +171,15 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--seed",
-        type=arguments.non_negative_int,
+        type=arguments.seed,
         default=0,
         metavar="N",
-        help="seed of the initial weights and the data order (default: %(default)s)",
+        help="seed of the initial weights and the data order, in [0, 2**64 - 1] "
+        "(default: %(default)s)",
     )
     add(
         "--threads",
-        type=arguments.positive_int,
+        type=arguments.threads,
         default=1,
         metavar="N",
         help="torch threads (default: %(default)s; the demo's layers are too small "
@@ -239,7 +248,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--threads",
-        type=arguments.positive_int,
+        type=arguments.threads,
         default=None,
         metavar="N",
         help="torch threads (default: torch's choice)",
@@ -257,11 +266,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     """Run `singd-curvlinops demo`.
 
+    The plot is written before the table is printed, so that it exists even if
+    the reader of the output stops early (`singd-curvlinops demo | head -3`).
+
     Args:
         args: The parsed arguments.
 
     Returns:
-        Exit code 0.
+        Exit code 0, or 1 if the plot could not be written.
     """
     results = run_demo(
         args.optimizers,
@@ -271,9 +283,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
+    failure = _write(lambda: plot_losses(results, args.plot))
     print()
     print(results_table(results))
-    plot_losses(results, args.plot)
+    if failure is not None:
+        return _write_failed("demo", args.plot, failure)
     print(f"\nloss curves: {args.plot}")
     return 0
 
@@ -285,7 +299,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         args: The parsed arguments.
 
     Returns:
-        Exit code 0.
+        Exit code 0, or 1 if the JSON file could not be written.
     """
     version = None if args.no_reference else reference_version()
     configs = configurations(args.structures, args.T, version is not None)
@@ -299,6 +313,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             args.warmup,
             progress=lambda line: print(line, file=sys.stderr),
         )
+    content = json.dumps(records, indent=2)
+    failure = args.json and _write(lambda: args.json.write_text(content, "utf-8"))
     text = preamble(
         torch_version=torch.__version__,
         threads=torch.get_num_threads(),
@@ -312,10 +328,65 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"### {model}\n")
         print(markdown_table(records, model))
         print()
-    if args.json is not None:
-        with open(args.json, "w", encoding="utf-8") as file:
-            json.dump(records, file, indent=2)
+    if failure is not None:
+        return _write_failed("bench", args.json, failure)
     return 0
+
+
+def _write(write: Callable[[], object]) -> OSError | None:
+    """Write an output file after the run; the path was checked at parsing.
+
+    Args:
+        write: Writes the file.
+
+    Returns:
+        None, or the error if the file could not be written after all (a full
+        disk, a folder removed during the run).
+    """
+    try:
+        write()
+    except OSError as error:
+        return error
+    return None
+
+
+def _write_failed(command: str, path: os.PathLike, error: OSError) -> int:
+    """Report an output file that could not be written after all, in one line.
+
+    Args:
+        command: The subcommand, for the message.
+        path: The file.
+        error: What the operating system said.
+
+    Returns:
+        Exit code 1.
+    """
+    reason = error.strerror or str(error)
+    print(
+        f"singd-curvlinops {command}: error: cannot write {str(path)!r}: {reason}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _closed_pipe() -> int:
+    """End quietly after the reader of the output went away (`... | head -1`).
+
+    As the Python documentation recommends for `BrokenPipeError`, the standard
+    streams are pointed at the null device, so that the interpreter's final flush
+    of pending output cannot fail a second time and print a traceback.
+
+    Returns:
+        `EXIT_CLOSED_PIPE`.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor
+            pass
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
 
 
 def _check_combinations(
@@ -351,8 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; default: `sys.argv[1:]`.
 
     Returns:
-        The exit code: 0 on success, 1 if the demo's `examples` extra is missing.
-        Bad arguments and `--help` exit through `SystemExit` (codes 2 and 0).
+        The exit code: 0 on success, 1 if the demo's `examples` extra is missing or
+        an output file cannot be written after all, 141 if the reader of the output
+        closed the pipe. Bad arguments and `--help` exit through `SystemExit`
+        (codes 2 and 0).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -361,11 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        if args.command == "demo":
-            return _run_demo(args)
-        return _run_bench(args)
+        code = _run_demo(args) if args.command == "demo" else _run_bench(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the final flush
+        return code
     except MissingExtraError as error:
         print(f"singd-curvlinops {args.command}: error: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        return _closed_pipe()
     finally:  # main may run inside a larger program (tests, notebooks)
         torch.set_num_threads(threads)

@@ -10,9 +10,6 @@ after a whole run.
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
-from pathlib import Path
 
 from singd_curvlinops.bench.workloads import MODELS
 from singd_curvlinops.demo.optimizers import OptimizerSpec, parse_optimizers
@@ -191,64 +188,3 @@ def optimizers(text: str) -> list[OptimizerSpec]:
         return parse_optimizers(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def output_file(suffix: str) -> Callable[[str], Path]:
-    """Return an argparse `type` for a file to write with the given suffix.
-
-    Args:
-        suffix: Required file name ending, e.g. `".png"`.
-
-    Returns:
-        A function that checks the suffix and that the file can be written.
-    """
-
-    def parse(text: str) -> Path:
-        """Check an output path before any work starts.
-
-        Args:
-            text: The path.
-
-        Returns:
-            The path.
-
-        Raises:
-            ArgumentTypeError: If the suffix is wrong or the file cannot be written.
-        """
-        path = Path(text)
-        if path.suffix.lower() != suffix:
-            raise argparse.ArgumentTypeError(f"expected a {suffix} file, got {text!r}")
-        problem = _write_problem(text, path)
-        if problem is not None:
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
-        return path
-
-    return parse
-
-
-def _write_problem(text: str, path: Path) -> str | None:
-    """Say why a file could not be created or overwritten at `path`, if it could not.
-
-    Uses `os.access`, which asks the operating system without creating anything
-    (and knows that root may write anywhere except on read-only file systems).
-
-    Args:
-        text: The path as given (a trailing separator names a folder).
-        path: The path.
-
-    Returns:
-        The reason, or None if the file can be written.
-    """
-    folder = path.parent
-    if path.is_dir() or text.endswith(("/", os.sep)):
-        return "that is a folder"
-    if not folder.exists():
-        return f"folder {str(folder)!r} not found"
-    if not folder.is_dir():
-        return f"{str(folder)!r} is not a folder"
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            return "the file is not writable"
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        return f"folder {str(folder)!r} is not writable"
-    return None

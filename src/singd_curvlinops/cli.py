@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from singd_curvlinops import _arguments as arguments
+from singd_curvlinops._paths import output_file
 from singd_curvlinops.bench.configurations import configurations, reference_version
 from singd_curvlinops.bench.optimizer import measure
 from singd_curvlinops.bench.report import markdown_table, preamble
@@ -149,7 +150,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--plot",
-        type=arguments.output_file(".png"),
+        type=output_file(".png"),
         default=DEMO_PLOT,
         metavar="PATH",
         help="PNG file for the loss curves (default: %(default)s)",
@@ -256,7 +257,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     add("--no-reference", action="store_true", help="skip the reference singd's rows")
     add(
         "--json",
-        type=arguments.output_file(".json"),
+        type=output_file(".json"),
         default=None,
         metavar="PATH",
         help="also write all records to this JSON file",

@@ -1,0 +1,370 @@
+"""The study engine: Optuna studies that hold every run, resumable and shared.
+
+One Optuna study per *cell* (workload × optimizer × precision), named
+`PREFIX/WORKLOAD/OPTIMIZER/PRECISION`, in one storage: an SQLite file by default,
+or any database URL that Optuna accepts (PostgreSQL, MySQL) for several machines.
+Each Optuna trial is one run: a point of the optimizer's search space (user
+attribute `index`, the point's position in the quasi-random sequence of
+`compare.search`) and a seed (`seed`). Its result (`compare.trial.RunResult`) is
+the user attribute `result`; its value is the run's seconds to the target.
+
+How a worker proceeds, for every cell in turn (round robin, one run at a time):
+
+1. **Recover**: a running trial whose worker is gone becomes `FAIL`: on the same
+   host when its process no longer exists, on any host when its heartbeat (the
+   user attribute `heartbeat`, renewed every `HEARTBEAT_SECONDS` while it runs;
+   its start time before the first one) is older than `GRACE_SECONDS`. A worker
+   records itself (user attribute `worker`) right after it claims a trial; a
+   trial whose worker died before that is recovered by the heartbeat rule.
+2. **Enqueue** every run of the budget that has no waiting, running or complete
+   trial (`study.enqueue_trial`): a new study gets all its runs, a resumed one the
+   failed and the missing ones, a larger budget the extra ones.
+3. **Claim** the oldest waiting trial (`study.ask`, which the database hands to
+   exactly one worker), run it, `tell` the result. An exception stops the worker
+   and marks its trial `FAIL` (Ctrl-C included), so the next start reruns it.
+
+A rerun therefore skips every finished run, and several workers (processes or
+machines) pointed at the same storage share the work. A cell's settings (steps,
+evaluation period, search space, fixed options, `REVISION`) are stored with its
+study; a study recorded with other settings is refused instead of mixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from singd_curvlinops.compare.cells import Budget, Cell
+from singd_curvlinops.compare.search import points
+from singd_curvlinops.compare.trial import RunResult, run_trial, seconds_to_target
+
+HEARTBEAT_SECONDS = 10
+GRACE_SECONDS = 120
+DEFAULT_PREFIX = "singd-curvlinops-compare"
+
+
+def open_storage(url: str):
+    """Open (and create where needed) an Optuna storage.
+
+    Args:
+        url: A database URL, e.g. `sqlite:///studies.db` or
+            `postgresql://user:password@host/database`.
+
+    Returns:
+        The `optuna.storages.RDBStorage`.
+
+    Raises:
+        ValueError: If the URL is malformed, its database driver is missing, or
+            the database cannot be reached or created; the message says which.
+    """
+    import optuna
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except ImportError as error:
+        reason = f"its database driver is not installed ({error})"
+    except Exception as error:  # SQLAlchemy's errors: malformed URL, no server, ...
+        reason = str(error).splitlines()[0]
+    raise ValueError(f"cannot open the storage {url!r}: {reason}")
+
+
+def _worker() -> dict[str, Any]:
+    """Describe this process (stored with every trial it runs).
+
+    Returns:
+        Host, process id and versions.
+    """
+    from singd_curvlinops import __version__
+
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "singd_curvlinops": __version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _process_exists(pid: int) -> bool:
+    """Return whether a process with this id runs on this host.
+
+    Args:
+        pid: A process id.
+
+    Returns:
+        False only if the operating system says there is no such process.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def _is_stale(trial, now: float) -> bool:
+    """Return whether a running trial has lost its worker.
+
+    Args:
+        trial: A running `optuna.trial.FrozenTrial`.
+        now: The current time (`time.time()`).
+
+    Returns:
+        Whether its process is gone (same host) or its heartbeat is too old.
+    """
+    worker = trial.user_attrs.get("worker", {})
+    if worker.get("host") == socket.gethostname() and not _process_exists(
+        worker.get("pid", -1)
+    ):
+        return True
+    beat = trial.user_attrs.get("heartbeat")
+    if beat is None and trial.datetime_start is not None:
+        beat = trial.datetime_start.timestamp()
+    return beat is not None and now - beat > GRACE_SECONDS
+
+
+def prepare(storage, cell: Cell, prefix: str, budget: Budget):
+    """Load or create a cell's study, recover lost runs, enqueue missing ones.
+
+    Args:
+        storage: The Optuna storage.
+        cell: The cell.
+        prefix: The study prefix.
+        budget: The budget.
+
+    Returns:
+        The `optuna.Study`.
+
+    Raises:
+        ValueError: If the study exists with other settings.
+    """
+    import optuna
+
+    name = cell.study_name(prefix)
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="minimize", load_if_exists=True
+    )
+    settings = cell.settings()
+    stored = study.user_attrs.get("settings")
+    if stored is None:
+        study.set_user_attr("settings", settings)
+    elif stored != settings:
+        raise ValueError(
+            f"study {name!r} was recorded with other settings ({stored}); this run "
+            f"has {settings}. Choose another --study-name or --storage."
+        )
+    _recover(study)
+    _enqueue(study, cell, budget)
+    return study
+
+
+def _recover(study) -> None:
+    """Mark the running trials whose worker is gone as failed (`_is_stale`).
+
+    Args:
+        study: An `optuna.Study`.
+    """
+    from optuna.trial import TrialState
+
+    now = time.time()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if _is_stale(trial, now):
+            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def _enqueue(study, cell: Cell, budget: Budget) -> None:
+    """Enqueue the runs of the budget that are not waiting, running or complete.
+
+    Args:
+        study: The cell's `optuna.Study`.
+        cell: The cell.
+        budget: The budget.
+    """
+    from optuna.trial import TrialState
+
+    live = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
+    taken = {
+        (t.user_attrs.get("index"), t.user_attrs.get("seed"))
+        for t in study.get_trials(deepcopy=False, states=live)
+    }
+    for index, params in enumerate(points(cell.optimizer.family.space, budget.trials)):
+        for seed in range(budget.seeds):
+            if (index, seed) not in taken:
+                study.enqueue_trial(params, user_attrs={"index": index, "seed": seed})
+
+
+def _distributions(cell: Cell) -> dict[str, Any]:
+    """Return the Optuna distributions of the cell's search space.
+
+    Args:
+        cell: The cell.
+
+    Returns:
+        `{name: FloatDistribution(low, high, log=True)}`.
+    """
+    from optuna.distributions import FloatDistribution
+
+    return {
+        dim.name: FloatDistribution(dim.low, dim.high, log=True)
+        for dim in cell.optimizer.family.space
+    }
+
+
+@contextlib.contextmanager
+def _heartbeat(trial) -> Iterator[None]:
+    """Renew the trial's `heartbeat` user attribute in a thread while it runs.
+
+    Args:
+        trial: The running `optuna.Trial`.
+
+    Yields:
+        None; the thread stops on exit.
+    """
+    done = threading.Event()
+
+    def beat() -> None:
+        """Write the time every `HEARTBEAT_SECONDS` until `done` is set."""
+        while not done.wait(HEARTBEAT_SECONDS):
+            trial.set_user_attr("heartbeat", time.time())
+
+    trial.set_user_attr("heartbeat", time.time())
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def run_one(study, cell: Cell) -> bool:
+    """Claim the oldest waiting trial of a cell's study and run it.
+
+    Args:
+        study: The cell's `optuna.Study`.
+        cell: The cell.
+
+    Returns:
+        False if no trial was waiting.
+    """
+    from optuna.trial import TrialState
+
+    if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        return False
+    trial = study.ask(_distributions(cell))
+    if "index" not in trial.user_attrs:  # another worker took the last waiting one
+        study.tell(trial, state=TrialState.FAIL)
+        return False
+    trial.set_user_attr("worker", _worker())
+    try:
+        with _heartbeat(trial):
+            result = run_trial(
+                cell.workload,
+                cell.optimizer,
+                trial.params,
+                trial.user_attrs["seed"],
+                cell.precision,
+            )
+    except BaseException:
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    trial.set_user_attr("result", result.to_dict())
+    study.tell(trial, seconds_to_target(cell.workload, result)[1])
+    return True
+
+
+def run_cells(
+    storage,
+    cells: list[Cell],
+    prefix: str,
+    budget: Budget,
+    on_run: Callable[[Cell], None] | None = None,
+) -> int:
+    """Run every missing run of the cells, round robin over the cells.
+
+    Args:
+        storage: The Optuna storage.
+        cells: The cells.
+        prefix: The study prefix.
+        budget: The budget.
+        on_run: Called with the cell after each finished run (progress).
+
+    Returns:
+        The number of runs this worker finished.
+    """
+    studies = [(cell, prepare(storage, cell, prefix, budget)) for cell in cells]
+    finished = 0
+    while studies:
+        for item in list(studies):
+            cell, study = item
+            if not run_one(study, cell):
+                studies.remove(item)
+                continue
+            finished += 1
+            if on_run is not None:
+                on_run(cell)
+    return finished
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished run, as read back from the storage.
+
+    Attributes:
+        cell: Its cell.
+        index: Its point's position in the quasi-random sequence.
+        seed: Its seed.
+        params: The searched hyperparameters.
+        result: What it recorded.
+        worker: The process that ran it (`host`, `pid`, versions).
+    """
+
+    cell: Cell
+    index: int
+    seed: int
+    params: dict[str, float]
+    result: RunResult
+    worker: dict[str, Any]
+
+
+def load_runs(storage, cells: list[Cell], prefix: str, budget: Budget) -> list[Run]:
+    """Read the finished runs of the budget (the first trial of each index and seed).
+
+    Args:
+        storage: The Optuna storage.
+        cells: The cells.
+        prefix: The study prefix.
+        budget: The budget (runs outside it are ignored).
+
+    Returns:
+        The runs, cell by cell, ordered by index and seed.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    names = set(optuna.get_all_study_names(storage))
+    runs = []
+    for cell in cells:
+        if cell.study_name(prefix) not in names:
+            continue
+        study = optuna.load_study(study_name=cell.study_name(prefix), storage=storage)
+        found: dict[tuple[int, int], Run] = {}
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            attrs = trial.user_attrs
+            key = (attrs["index"], attrs["seed"])
+            if key[0] < budget.trials and key[1] < budget.seeds and key not in found:
+                result = RunResult.from_dict(attrs["result"])
+                found[key] = Run(cell, *key, trial.params, result, attrs["worker"])
+        runs += [found[key] for key in sorted(found)]
+    return runs

@@ -36,22 +36,47 @@ def keys(trials):
     return sorted((t.user_attrs["index"], t.user_attrs["seed"]) for t in trials)
 
 
-def test_prepare_enqueues_the_budget_once_and_extends_it(storage):
-    first = study.prepare(storage, cell(), "t", cells.Budget("custom", 2, 2))
-    assert keys(first.trials) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    study.prepare(storage, cell(), "t", cells.Budget("custom", 2, 2))
-    larger = study.prepare(storage, cell(), "t", cells.Budget("custom", 3, 2))
-    assert keys(larger.trials) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    expected = points(parse_optimizer("sgd").family.space, 3)
-    for trial in larger.trials:
-        assert trial.params == {}  # waiting: parameters are fixed when claimed
-        assert trial.system_attrs["fixed_params"] == expected[trial.user_attrs["index"]]
+def claims(storage, budget):
+    """Claim and finish runs until the budget is done; return their runs."""
+    loaded, keys = study.prepare(storage, cell(), "t"), []
+    while (trial := study.claim(loaded, cell(), budget)) is not None:
+        keys.append((trial.user_attrs["index"], trial.user_attrs["seed"]))
+        assert (
+            trial.params == points(parse_optimizer("sgd").family.space, 3)[keys[-1][0]]
+        )
+        loaded.tell(trial, 1.0)
+    return keys
+
+
+def test_claims_follow_the_budget_and_a_larger_budget_extends_it(storage):
+    assert claims(storage, cells.Budget("custom", 2, 2)) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    assert claims(storage, cells.Budget("custom", 2, 2)) == []
+    assert claims(storage, cells.Budget("custom", 3, 2)) == [(2, 0), (2, 1)]
+    assert claims(storage, cells.Budget("custom", 1, 3)) == [(0, 2)]
+
+
+def test_a_run_claimed_twice_stays_with_the_lower_trial_number(storage):
+    loaded, budget = study.prepare(storage, cell(), "t"), cells.Budget("custom", 2, 1)
+    first = study.claim(loaded, cell(), budget)
+    first.set_user_attr("worker", {"host": "elsewhere.invalid", "pid": 1})
+    # a second worker picked run (0, 0) at the same time: its trial is waiting
+    loaded.enqueue_trial(first.params, user_attrs={"index": 0, "seed": 0})
+    second = study.claim(loaded, cell(), budget)
+    assert (second.user_attrs["index"], second.user_attrs["seed"]) == (1, 0)
+    states = [(t.user_attrs["index"], t.state.name) for t in loaded.trials]
+    assert states[:3] == [(0, "RUNNING"), (0, "FAIL"), (1, "RUNNING")]
+    assert study.claim(loaded, cell(), budget) is None
 
 
 def test_a_study_recorded_with_other_settings_is_refused(storage):
-    study.prepare(storage, cell(steps=30), "t", cells.REDUCED)
+    study.prepare(storage, cell(steps=30), "t")
     with pytest.raises(ValueError, match="'t/teacher-mlp/sgd/float32' was recorded "):
-        study.prepare(storage, cell(steps=40), "t", cells.REDUCED)
+        study.prepare(storage, cell(steps=40), "t")
 
 
 def test_runs_run_once_and_a_rerun_skips_them(storage):
@@ -66,12 +91,13 @@ def test_runs_run_once_and_a_rerun_skips_them(storage):
     assert len(study.load_runs(storage, [cell()], "t", cells.Budget("x", 1, 1))) == 1
 
 
-def claim(storage, worker):
-    loaded = study.prepare(storage, cell(), "t", cells.Budget("custom", 1, 1))
-    trial = loaded.ask(study._distributions(cell()))
-    for key, value in worker.items():
+def running(storage, attributes):
+    """A running trial of run (0, 0) with the given user attributes."""
+    loaded = study.prepare(storage, cell(), "t")
+    trial = study.claim(loaded, cell(), cells.Budget("custom", 1, 1))
+    for key, value in attributes.items():
         trial.set_user_attr(key, value)
-    return trial
+    return loaded, trial
 
 
 @pytest.mark.parametrize(
@@ -101,13 +127,14 @@ def test_a_trial_whose_worker_is_gone_is_run_again(storage, worker, lost):
     }
     if "heartbeat" in worker:
         worker["heartbeat"] += time.time() - 1
-    trial = claim(storage, worker)
-    again = study.prepare(storage, cell(), "t", cells.Budget("custom", 1, 1))
-    states = {t.number: t.state.name for t in again.trials}
-    if lost:
-        assert states == {trial.number: "FAIL", trial.number + 1: "WAITING"}
+    loaded, trial = running(storage, worker)
+    again = study.claim(loaded, cell(), cells.Budget("custom", 1, 1))
+    states = {t.number: t.state.name for t in loaded.trials}
+    if lost:  # run (0, 0) is claimed again
+        assert (again.user_attrs["index"], again.user_attrs["seed"]) == (0, 0)
+        assert states == {trial.number: "FAIL", again.number: "RUNNING"}
     else:
-        assert states == {trial.number: "RUNNING"}
+        assert again is None and states == {trial.number: "RUNNING"}
 
 
 @pytest.mark.parametrize(
@@ -176,7 +203,7 @@ def test_a_killed_study_resumes_to_the_same_results(tmp_path, capsys):
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert sorted(states(database)) == ["COMPLETE", "RUNNING", "WAITING", "WAITING"]
+    assert sorted(states(database)) == ["COMPLETE", "RUNNING"]
 
     assert main([*TINY, "--output", str(killed)]) == 0  # resume in this process
     resumed = capsys.readouterr().out

@@ -8,7 +8,7 @@ attribute `index`, the point's position in the quasi-random sequence of
 `compare.search`) and a seed (`seed`). Its result (`compare.trial.RunResult`) is
 the user attribute `result`; its value is the run's seconds to the target.
 
-How a worker proceeds, for every cell in turn (round robin, one run at a time):
+A worker claims one run at a time, cell after cell (round robin):
 
 1. **Recover**: a running trial whose worker is gone becomes `FAIL`: on the same
    host when its process no longer exists, on any host when its heartbeat (the
@@ -16,17 +16,22 @@ How a worker proceeds, for every cell in turn (round robin, one run at a time):
    its start time before the first one) is older than `GRACE_SECONDS`. A worker
    records itself (user attribute `worker`) right after it claims a trial; a
    trial whose worker died before that is recovered by the heartbeat rule.
-2. **Enqueue** every run of the budget that has no waiting, running or complete
-   trial (`study.enqueue_trial`): a new study gets all its runs, a resumed one the
-   failed and the missing ones, a larger budget the extra ones.
-3. **Claim** the oldest waiting trial (`study.ask`, which the database hands to
-   exactly one worker), run it, `tell` the result. An exception stops the worker
-   and marks its trial `FAIL` (Ctrl-C included), so the next start reruns it.
+2. **Pick** the first run of the budget (by point, then seed) that has no running
+   or complete trial; none left: the cell is done.
+3. **Claim** it: enqueue it (`study.enqueue_trial`) and take it (`study.ask`,
+   which pops the oldest waiting trial and hands each to exactly one worker). If
+   two workers picked the same run at once, the trial with the lower number keeps
+   it and the other becomes `FAIL` (the loser picks again).
+4. **Run** it and `tell` the result. An exception marks the trial `FAIL` and
+   stops the worker (Ctrl-C included), so the next start reruns it.
 
-A rerun therefore skips every finished run, and several workers (processes or
-machines) pointed at the same storage share the work. A cell's settings (steps,
-evaluation period, search space, fixed options, `REVISION`) are stored with its
-study; a study recorded with other settings is refused instead of mixed.
+Runs are enqueued one at a time, just before they are taken, so no queue of
+waiting runs outlives its worker and a worker runs only its own budget. A rerun
+therefore skips every finished run; a larger budget adds its extra runs; several
+workers (processes or machines) pointed at the same storage share the work. A
+cell's settings (steps, evaluation period, search space, fixed options, and
+`compare.cells.REVISION`) are stored with its study; a study recorded with other
+settings is refused instead of mixed.
 """
 
 from __future__ import annotations
@@ -134,14 +139,13 @@ def _is_stale(trial, now: float) -> bool:
     return beat is not None and now - beat > GRACE_SECONDS
 
 
-def prepare(storage, cell: Cell, prefix: str, budget: Budget):
-    """Load or create a cell's study, recover lost runs, enqueue missing ones.
+def prepare(storage, cell: Cell, prefix: str):
+    """Load or create a cell's study and check its settings.
 
     Args:
         storage: The Optuna storage.
         cell: The cell.
         prefix: The study prefix.
-        budget: The budget.
 
     Returns:
         The `optuna.Study`.
@@ -164,8 +168,6 @@ def prepare(storage, cell: Cell, prefix: str, budget: Budget):
             f"study {name!r} was recorded with other settings ({stored}); this run "
             f"has {settings}. Choose another --study-name or --storage."
         )
-    _recover(study)
-    _enqueue(study, cell, budget)
     return study
 
 
@@ -183,25 +185,68 @@ def _recover(study) -> None:
             study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
 
 
-def _enqueue(study, cell: Cell, budget: Budget) -> None:
-    """Enqueue the runs of the budget that are not waiting, running or complete.
+def _key(trial) -> tuple[int | None, int | None]:
+    """Return a trial's run: `(index, seed)`, None for a trial without one.
+
+    Args:
+        trial: An Optuna trial.
+
+    Returns:
+        The run's point index and seed.
+    """
+    return trial.user_attrs.get("index"), trial.user_attrs.get("seed")
+
+
+def _taken(study) -> dict[tuple, int]:
+    """Return the runs that have a running or complete trial.
+
+    Args:
+        study: An `optuna.Study`.
+
+    Returns:
+        `{(index, seed): lowest trial number}`.
+    """
+    from optuna.trial import TrialState
+
+    taken: dict[tuple, int] = {}
+    states = (TrialState.RUNNING, TrialState.COMPLETE)
+    for trial in study.get_trials(deepcopy=False, states=states):
+        taken.setdefault(_key(trial), trial.number)
+    return taken
+
+
+def claim(study, cell: Cell, budget: Budget):
+    """Claim the first run of the budget that nobody runs or has run.
 
     Args:
         study: The cell's `optuna.Study`.
         cell: The cell.
         budget: The budget.
+
+    Returns:
+        The running `optuna.Trial` (user attributes `index`, `seed`), or None
+        when every run of the budget is running or complete.
     """
     from optuna.trial import TrialState
 
-    live = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE)
-    taken = {
-        (t.user_attrs.get("index"), t.user_attrs.get("seed"))
-        for t in study.get_trials(deepcopy=False, states=live)
-    }
-    for index, params in enumerate(points(cell.optimizer.family.space, budget.trials)):
-        for seed in range(budget.seeds):
-            if (index, seed) not in taken:
-                study.enqueue_trial(params, user_attrs={"index": index, "seed": seed})
+    _recover(study)
+    space = points(cell.optimizer.family.space, budget.trials)
+    while True:
+        taken = _taken(study)
+        missing = [
+            (index, seed)
+            for index in range(budget.trials)
+            for seed in range(budget.seeds)
+            if (index, seed) not in taken
+        ]
+        if not missing:
+            return None
+        index, seed = missing[0]
+        study.enqueue_trial(space[index], user_attrs={"index": index, "seed": seed})
+        trial = study.ask(_distributions(cell))
+        if _taken(study).get(_key(trial)) == trial.number and None not in _key(trial):
+            return trial
+        study.tell(trial, state=TrialState.FAIL)  # another worker holds this run
 
 
 def _distributions(cell: Cell) -> dict[str, Any]:
@@ -248,23 +293,21 @@ def _heartbeat(trial) -> Iterator[None]:
         thread.join()
 
 
-def run_one(study, cell: Cell) -> bool:
-    """Claim the oldest waiting trial of a cell's study and run it.
+def run_one(study, cell: Cell, budget: Budget) -> bool:
+    """Claim a run of a cell (`claim`), train it and store its result.
 
     Args:
         study: The cell's `optuna.Study`.
         cell: The cell.
+        budget: The budget.
 
     Returns:
-        False if no trial was waiting.
+        False if every run of the budget is running or complete.
     """
     from optuna.trial import TrialState
 
-    if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        return False
-    trial = study.ask(_distributions(cell))
-    if "index" not in trial.user_attrs:  # another worker took the last waiting one
-        study.tell(trial, state=TrialState.FAIL)
+    trial = claim(study, cell, budget)
+    if trial is None:
         return False
     trial.set_user_attr("worker", _worker())
     try:
@@ -303,12 +346,12 @@ def run_cells(
     Returns:
         The number of runs this worker finished.
     """
-    studies = [(cell, prepare(storage, cell, prefix, budget)) for cell in cells]
+    studies = [(cell, prepare(storage, cell, prefix)) for cell in cells]
     finished = 0
     while studies:
         for item in list(studies):
             cell, study = item
-            if not run_one(study, cell):
+            if not run_one(study, cell, budget):
                 studies.remove(item)
                 continue
             finished += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from singd_curvlinops import _arguments as arguments
 from singd_curvlinops.compare import require_compare, study
@@ -21,6 +22,9 @@ from singd_curvlinops.compare.optimizers import (
     parse_optimizer,
 )
 from singd_curvlinops.compare.workloads import WORKLOADS, Workload
+
+if TYPE_CHECKING:  # the `compare` extra; imported where it is used
+    from optuna.storages import RDBStorage
 
 DEFAULT_OUTPUT = "singd-curvlinops-compare"
 
@@ -223,7 +227,9 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
-def _run_missing(storage, cells, args, budget) -> int:
+def _run_missing(
+    storage: RDBStorage, cells: list[Cell], args: argparse.Namespace, budget: Budget
+) -> int:
     """Run the budget's missing runs with a progress bar.
 
     Args:
@@ -284,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     return _report(storage, cells, args, budget)
 
 
-def _report(storage, cells, args, budget) -> int:
+def _report(
+    storage: RDBStorage, cells: list[Cell], args: argparse.Namespace, budget: Budget
+) -> int:
     """Write the report and print its Markdown.
 
     Args:

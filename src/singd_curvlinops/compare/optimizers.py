@@ -75,7 +75,12 @@ class Family:
     requires: tuple[str, ...] = field(default_factory=tuple)
 
 
-def _singd(model, options, loss_average, factor_dtype) -> SINGD:
+def _singd(
+    model: nn.Module,
+    options: dict[str, Any],
+    loss_average: str,
+    factor_dtype: torch.dtype | None,
+) -> SINGD:
     """Construct `SINGD` (or IKFAC, with `kfac_like=True` among the options).
 
     Args:
@@ -98,7 +103,12 @@ def _singd(model, options, loss_average, factor_dtype) -> SINGD:
     )
 
 
-def _kfac(model, options, loss_average, factor_dtype) -> KFAC:
+def _kfac(
+    model: nn.Module,
+    options: dict[str, Any],
+    loss_average: str,
+    factor_dtype: torch.dtype | None,
+) -> KFAC:
     """Construct the `KFAC` baseline.
 
     Args:
@@ -118,7 +128,12 @@ def _kfac(model, options, loss_average, factor_dtype) -> KFAC:
     )
 
 
-def _adamw(model, options, loss_average, factor_dtype) -> torch.optim.AdamW:
+def _adamw(
+    model: nn.Module,
+    options: dict[str, Any],
+    loss_average: str,
+    factor_dtype: torch.dtype | None,
+) -> torch.optim.AdamW:
     """Construct `torch.optim.AdamW` (`loss_average` and `factor_dtype` unused).
 
     Args:
@@ -133,7 +148,12 @@ def _adamw(model, options, loss_average, factor_dtype) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), **options)
 
 
-def _sgd(model, options, loss_average, factor_dtype) -> torch.optim.SGD:
+def _sgd(
+    model: nn.Module,
+    options: dict[str, Any],
+    loss_average: str,
+    factor_dtype: torch.dtype | None,
+) -> torch.optim.SGD:
     """Construct `torch.optim.SGD` (`loss_average` and `factor_dtype` unused).
 
     Args:
@@ -148,7 +168,12 @@ def _sgd(model, options, loss_average, factor_dtype) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), **options)
 
 
-def _soap(model, options, loss_average, factor_dtype) -> torch.optim.Optimizer:
+def _soap(
+    model: nn.Module,
+    options: dict[str, Any],
+    loss_average: str,
+    factor_dtype: torch.dtype | None,
+) -> torch.optim.Optimizer:
     """Construct pytorch-optimizer's `SOAP` (`loss_average`, `factor_dtype` unused).
 
     Args:

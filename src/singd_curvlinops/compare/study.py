@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,12 +52,17 @@ from singd_curvlinops.compare.cells import Budget, Cell
 from singd_curvlinops.compare.search import points
 from singd_curvlinops.compare.trial import RunResult, run_trial, seconds_to_target
 
+if TYPE_CHECKING:  # the `compare` extra; imported where it is used
+    from optuna import Study, Trial
+    from optuna.storages import RDBStorage
+    from optuna.trial import FrozenTrial
+
 HEARTBEAT_SECONDS = 10
 GRACE_SECONDS = 120
 DEFAULT_PREFIX = "singd-curvlinops-compare"
 
 
-def open_storage(url: str):
+def open_storage(url: str) -> RDBStorage:
     """Open (and create where needed) an Optuna storage.
 
     Args:
@@ -118,7 +123,7 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def _is_stale(trial, now: float) -> bool:
+def _is_stale(trial: FrozenTrial, now: float) -> bool:
     """Return whether a running trial has lost its worker.
 
     Args:
@@ -139,7 +144,7 @@ def _is_stale(trial, now: float) -> bool:
     return beat is not None and now - beat > GRACE_SECONDS
 
 
-def prepare(storage, cell: Cell, prefix: str):
+def prepare(storage: RDBStorage, cell: Cell, prefix: str) -> Study:
     """Load or create a cell's study and check its settings.
 
     Args:
@@ -171,7 +176,7 @@ def prepare(storage, cell: Cell, prefix: str):
     return study
 
 
-def _recover(study) -> None:
+def _recover(study: Study) -> None:
     """Mark the running trials whose worker is gone as failed (`_is_stale`).
 
     Args:
@@ -185,7 +190,7 @@ def _recover(study) -> None:
             study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
 
 
-def _key(trial) -> tuple[int | None, int | None]:
+def _key(trial: Trial | FrozenTrial) -> tuple[int | None, int | None]:
     """Return a trial's run: `(index, seed)`, None for a trial without one.
 
     Args:
@@ -197,7 +202,7 @@ def _key(trial) -> tuple[int | None, int | None]:
     return trial.user_attrs.get("index"), trial.user_attrs.get("seed")
 
 
-def _taken(study) -> dict[tuple, int]:
+def _taken(study: Study) -> dict[tuple, int]:
     """Return the runs that have a running or complete trial.
 
     Args:
@@ -215,7 +220,7 @@ def _taken(study) -> dict[tuple, int]:
     return taken
 
 
-def claim(study, cell: Cell, budget: Budget):
+def claim(study: Study, cell: Cell, budget: Budget) -> Trial | None:
     """Claim the first run of the budget that nobody runs or has run.
 
     Args:
@@ -267,7 +272,7 @@ def _distributions(cell: Cell) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _heartbeat(trial) -> Iterator[None]:
+def _heartbeat(trial: Trial) -> Iterator[None]:
     """Renew the trial's `heartbeat` user attribute in a thread while it runs.
 
     Args:
@@ -293,7 +298,7 @@ def _heartbeat(trial) -> Iterator[None]:
         thread.join()
 
 
-def run_one(study, cell: Cell, budget: Budget) -> bool:
+def run_one(study: Study, cell: Cell, budget: Budget) -> bool:
     """Claim a run of a cell (`claim`), train it and store its result.
 
     Args:
@@ -328,7 +333,7 @@ def run_one(study, cell: Cell, budget: Budget) -> bool:
 
 
 def run_cells(
-    storage,
+    storage: RDBStorage,
     cells: list[Cell],
     prefix: str,
     budget: Budget,
@@ -381,7 +386,9 @@ class Run:
     worker: dict[str, Any]
 
 
-def load_runs(storage, cells: list[Cell], prefix: str, budget: Budget) -> list[Run]:
+def load_runs(
+    storage: RDBStorage, cells: list[Cell], prefix: str, budget: Budget
+) -> list[Run]:
     """Read the finished runs of the budget (the first trial of each index and seed).
 
     Args:

@@ -43,7 +43,9 @@ from singd_curvlinops.compare.workloads import Workload
 TAU_MAX = 4.0
 
 
-def upper_median(values: Sequence[float], key: Callable[[float], float] = float):
+def upper_median(
+    values: Sequence[float], key: Callable[[float], float] = float
+) -> float:
     """Return the upper middle value in the order of `key`.
 
     Args:

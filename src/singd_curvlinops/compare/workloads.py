@@ -13,8 +13,10 @@
   inputs, batch 128; validation relative MSE ≤ 0.1 within 400 steps, every 20.
 
 (`WORKLOADS` holds the numbers; the data are described in `compare.data`, the
-models in `compare.models`.) A target is what a well-tuned run reaches in about
-half the step budget; the budget and the evaluation period are fixed. The relative
+models in `compare.models`.) A target is about what AdamW or SGD with a
+hand-picked learning rate reached after half to three quarters of the budget in
+calibration runs (before any study); the budget and the evaluation period are
+fixed. The relative
 MSE is the mean squared error divided by the variance of the validation targets.
 
 A workload builds a fresh `Problem` for a seed: the seed draws the initial weights

@@ -6,6 +6,9 @@
 - `singd-curvlinops bench`: time and memory per training step of SINGD per
   structure, the reference `singd`, KFAC, AdamW and SGD, interleaved in one process;
   print Markdown tables.
+- `singd-curvlinops compare`: a tuned comparison of SINGD, IKFAC, KFAC and
+  first-order and Shampoo-family baselines on several workloads, as Optuna studies
+  (`singd_curvlinops.compare`); a Markdown report, JSON and figures.
 
 `main(argv)` parses `argv` (default: `sys.argv[1:]`) and returns the exit code;
 bad arguments, unwritable output files included, exit with code 2 and a message that
@@ -31,6 +34,7 @@ from singd_curvlinops.bench.configurations import configurations, reference_vers
 from singd_curvlinops.bench.optimizer import measure
 from singd_curvlinops.bench.report import markdown_table, preamble
 from singd_curvlinops.bench.workloads import MODELS
+from singd_curvlinops.compare import command as compare_command
 from singd_curvlinops.demo import MissingExtraError, run_demo
 from singd_curvlinops.demo.optimizers import DEFAULT_OPTIMIZERS
 from singd_curvlinops.demo.report import plot_losses, results_table
@@ -103,20 +107,22 @@ example:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the parser with the subcommands `demo` and `bench`.
+    """Build the parser with the subcommands `demo`, `bench` and `compare`.
 
     Returns:
         The parser.
     """
     parser = argparse.ArgumentParser(
         prog="singd-curvlinops",
-        description="SINGD on curvlinops: a training demo and a step benchmark.",
+        description="SINGD on curvlinops: a training demo, a step benchmark and a "
+        "tuned optimizer comparison.",
         epilog="Run `singd-curvlinops COMMAND --help` for a command's options.",
         formatter_class=arguments.Formatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(commands)
     _add_bench(commands)
+    compare_command.add_parser(commands)
     return parser
 
 
@@ -406,7 +412,7 @@ def _check_combinations(
                 f"demo: --batch-size {args.batch_size} exceeds the {n_train} "
                 "training examples."
             )
-    else:
+    elif args.command == "bench":
         uneven = [T for T in args.T if args.steps_per_block % T]
         if uneven:
             parser.error(
@@ -423,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; default: `sys.argv[1:]`.
 
     Returns:
-        The exit code: 0 on success, 1 if the demo's `examples` extra is missing or
-        an output file cannot be written after all, 141 if the reader of the output
+        The exit code: 0 on success, 1 if an extra (`examples` for the demo,
+        `compare` for compare) is missing or an output file cannot be written
+        after all, 130 if compare was interrupted, 141 if the reader of the output
         closed the pipe. Bad arguments and `--help` exit through `SystemExit`
         (codes 2 and 0).
     """
@@ -435,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        code = _run_demo(args) if args.command == "demo" else _run_bench(args)
+        runners = {"demo": _run_demo, "compare": compare_command.run}
+        code = runners.get(args.command, _run_bench)(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the final flush
         return code
     except MissingExtraError as error:

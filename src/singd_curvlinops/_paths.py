@@ -1,9 +1,10 @@
-"""Output paths of the command-line tools, checked before any work starts."""
+"""Output files of the command-line tools: checked before the work, written after."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,3 +68,39 @@ def _write_problem(text: str, path: Path) -> str | None:
     elif not os.access(folder, os.W_OK | os.X_OK):
         return f"folder {str(folder)!r} is not writable"
     return None
+
+
+def write_output(write: Callable[[], object]) -> OSError | None:
+    """Write an output file after the run; the path was checked at parsing.
+
+    Args:
+        write: Writes the file.
+
+    Returns:
+        None, or the error if the file could not be written after all (a full
+        disk, a folder removed during the run).
+    """
+    try:
+        write()
+    except OSError as error:
+        return error
+    return None
+
+
+def report_write_failure(command: str, path: os.PathLike, error: OSError) -> int:
+    """Report an output file that could not be written after all, in one line.
+
+    Args:
+        command: The subcommand, for the message.
+        path: The file.
+        error: What the operating system said.
+
+    Returns:
+        Exit code 1.
+    """
+    reason = error.strerror or str(error)
+    print(
+        f"singd-curvlinops {command}: error: cannot write {str(path)!r}: {reason}",
+        file=sys.stderr,
+    )
+    return 1

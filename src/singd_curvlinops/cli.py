@@ -24,12 +24,11 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable
 
 import torch
 
 from singd_curvlinops import _arguments as arguments
-from singd_curvlinops._paths import output_file
+from singd_curvlinops._paths import output_file, report_write_failure, write_output
 from singd_curvlinops.bench.configurations import configurations, reference_version
 from singd_curvlinops.bench.optimizer import measure
 from singd_curvlinops.bench.report import markdown_table, preamble
@@ -290,11 +289,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    failure = _write(lambda: plot_losses(results, args.plot))
+    failure = write_output(lambda: plot_losses(results, args.plot))
     print()
     print(results_table(results))
     if failure is not None:
-        return _write_failed("demo", args.plot, failure)
+        return report_write_failure("demo", args.plot, failure)
     print(f"\nloss curves: {args.plot}")
     return 0
 
@@ -321,7 +320,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr),
         )
     content = json.dumps(records, indent=2)
-    failure = args.json and _write(lambda: args.json.write_text(content, "utf-8"))
+    failure = args.json and write_output(lambda: args.json.write_text(content, "utf-8"))
     text = preamble(
         torch_version=torch.__version__,
         threads=torch.get_num_threads(),
@@ -336,44 +335,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(markdown_table(records, model))
         print()
     if failure is not None:
-        return _write_failed("bench", args.json, failure)
+        return report_write_failure("bench", args.json, failure)
     return 0
-
-
-def _write(write: Callable[[], object]) -> OSError | None:
-    """Write an output file after the run; the path was checked at parsing.
-
-    Args:
-        write: Writes the file.
-
-    Returns:
-        None, or the error if the file could not be written after all (a full
-        disk, a folder removed during the run).
-    """
-    try:
-        write()
-    except OSError as error:
-        return error
-    return None
-
-
-def _write_failed(command: str, path: os.PathLike, error: OSError) -> int:
-    """Report an output file that could not be written after all, in one line.
-
-    Args:
-        command: The subcommand, for the message.
-        path: The file.
-        error: What the operating system said.
-
-    Returns:
-        Exit code 1.
-    """
-    reason = error.strerror or str(error)
-    print(
-        f"singd-curvlinops {command}: error: cannot write {str(path)!r}: {reason}",
-        file=sys.stderr,
-    )
-    return 1
 
 
 def _closed_pipe() -> int:

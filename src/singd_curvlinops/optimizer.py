@@ -43,19 +43,18 @@ class SINGD(KroneckerOptimizer):
     | `weight_decay` | \(\gamma\) | L2 weight decay, added to the natural gradient |
     | `T` | \(T\) | update the factors every `T` steps |
     | `lr_cov` | \(\beta_1\) | factor learning rate; a float or a function of the step |
-    | `structures` | — | `"auto"`, a pair of structure names of \((K, C)\) (see
-    `get_structure`), or a callable `(layer_name, dims) -> (K, C)` |
-    | `max_dense_dim` | — | memory budget: a factor stores at most `max_dense_dim**2` numbers |
+    | `structures` | — | `"auto"`, a pair `(K, C)` of structure names, or a callable |
+    | `max_dense_dim` | — | memory budget: `max_dense_dim**2` numbers per factor |
     | `kfac_approx` | — | `"expand"` or `"reduce"` for weight-sharing layers |
     | `loss_average` | — | `None` (sum loss), `"batch"`, `"batch+sequence"` |
     | `kfac_like` | — | IKFAC update (no trace coupling of \(K\) and \(C\)) |
     | `normalize_lr_cov` | — | normalise \(\beta_1\) by the largest momentum entry |
     | `preconditioner_dtype` | — | dtypes of \((K, C)\); `None`: the parameter's |
     | `init_grad_scale` | — | gradient scale of the first step under AMP |
-    | `fallback` | — | `"adamw"`, `"sgd"` or None: the rule of the other parameters |
-    | `fallback_lr_ratio` | — | the fallback's learning rate is `lr * fallback_lr_ratio` |
-    | `fallback_betas`, `fallback_eps` | — | AdamW's \((\beta_1, \beta_2)\) and \(\epsilon\) |
-    | `graft` | — | None, `"adamw"` or `"sgd"`: per layer, the step's norm is that optimizer's |
+    | `fallback` | — | `"adamw"`, `"sgd"` or None: rule of the other parameters |
+    | `fallback_lr_ratio` | — | the fallback's learning rate over `lr` |
+    | `fallback_betas`, `_eps` | — | AdamW's \((\beta_1, \beta_2)\), \(\epsilon\) |
+    | `graft` | — | None, `"adamw"`, `"sgd"`: per layer, that optimizer's step norm |
 
     `alpha1=None` (the default) means 0.5 for SINGD and 0 for IKFAC
     (`kfac_like=True`): `SINGD(model, kfac_like=True)` is the paper's IKFAC. An

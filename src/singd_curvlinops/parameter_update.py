@@ -1,4 +1,4 @@
-r"""Parameter updates outside the factor rule: per-parameter options, grafting, fallback.
+r"""Parameter updates besides the factor rule: per-parameter options, grafting.
 
 **A layer's step.** The preconditioned direction \(\Delta = P_C \Gamma P_K\) is split
 into one tensor per parameter, and each parameter takes the learning rate,

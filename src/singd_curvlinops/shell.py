@@ -19,7 +19,6 @@ parameter (the rule's factors, `"step"`, `"grad_scale"`), per layer parameter it
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -33,14 +32,15 @@ from torch.optim import Optimizer
 from singd_curvlinops import _curvlinops, checkpoint, distributed, parameter_update
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
+from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.layers import Layer, supported_layers
-from singd_curvlinops.layers.layer_set import LayerSet, unowned_message
+from singd_curvlinops.layers.layer_set import LayerSet
+from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.rules.fallback import FALLBACK_RULES
 
 
-class KroneckerOptimizer(Optimizer):
+class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
     """Kronecker-factored preconditioning of a model's layers (the shared shell).
 
     Use its front doors `SINGD` and `KFAC`; the shell never knows which rule or
@@ -120,99 +120,6 @@ class KroneckerOptimizer(Optimizer):
                 f"({supported_layers()}) of the model: there is nothing to "
                 "precondition."
             )
-
-    # ------------------------------------------------------------ construction
-    def _default_params(
-        self, warn_unsupported: bool, fallback: str | None
-    ) -> list[Parameter]:
-        """Return the default group's parameters; warn about left-out ones.
-
-        Args:
-            warn_unsupported: Whether to warn about left-out parameters.
-            fallback: The default fallback rule (None: leave the others out).
-
-        Returns:
-            Every trainable parameter, or without a fallback only those of the
-            supported layers.
-        """
-        params, left_out = self._layers.default_params(fallback is not None)
-        if left_out and warn_unsupported:
-            warn(
-                f"{type(self).__name__} leaves out the parameters of unsupported "
-                f"layers (optimize them with another optimizer, or pass "
-                f"fallback='adamw'): {', '.join(left_out)}."
-            )
-        return params
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group; its layers get hooks and are trained from now on.
-
-        Args:
-            param_group: As for any `torch.optim.Optimizer`; the options may be
-                given per group.
-
-        Raises:
-            ValueError: If a parameter belongs to no supported layer while the
-                group has no fallback, a layer is given only in part, or an
-                option is out of range.
-            TypeError: If an option has the wrong type.
-        """
-        super().add_param_group(param_group)
-        try:
-            self._rule.check_group(self.param_groups[-1])
-            if not self._constructing:  # the constructor registers its groups at once
-                self._register()
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
-
-    def _register(self) -> None:
-        """Resolve the groups added since the last call into layers and fallbacks.
-
-        Raises:
-            ValueError: If a parameter belongs to no layer and its group has no
-                fallback, or a layer is given only in part; nothing changes then.
-        """
-        indices = range(self._registered, len(self.param_groups))
-        batch = {p: i for i in indices for p in self.param_groups[i]["params"]}
-        layers, unowned = self._layers.resolve(batch, self.param_groups)
-        refused = [
-            p for p in unowned if self.param_groups[batch[p]]["fallback"] is None
-        ]
-        if refused:
-            raise ValueError(unowned_message(refused))
-        self._layers.keep(layers)
-        self._registered = len(self.param_groups)
-        for layer in layers:
-            self._collector.attach(layer)
-            self._init_state(layer, self.param_groups[layer.group_index])
-        for param in unowned:  # eager: state_dict() is complete
-            group = self.param_groups[batch[param]]
-            self._fallback.add(param)
-            self.state[param].update(
-                FALLBACK_RULES[group["fallback"]].init_state(param)
-            )
-
-    def _init_state(self, layer: Layer, group: dict[str, Any]) -> None:
-        """Create a layer's state: the rule's factors, counters, momentum buffers.
-
-        Args:
-            layer: The layer.
-            group: Its parameter group.
-        """
-        state = self.state[layer.weight]
-        dtypes = layer.factor_dtypes(group)
-        options = layer.options(group)
-        state.update(
-            self._rule.init_state(options, layer.dims, dtypes, layer.weight.device)
-        )
-        state["step"] = 0
-        # scale of the output gradients expected in the next backward pass
-        state["grad_scale"] = self._init_grad_scale
-        state.update(parameter_update.init_graft_state(layer, group))
-        for param in layer.params:  # every parameter has state (as DCP expects);
-            # a zero buffer makes the first momentum step the step itself
-            self.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
     # ------------------------------------------------------------ read-only
     @property
@@ -486,54 +393,3 @@ class KroneckerOptimizer(Optimizer):
         checkpoint.restore_factors(self.state, factors)
         self._collector.clear()
         self._preconditioners.clear()
-
-    # ------------------------------------------------------------------ copies
-    def __deepcopy__(self, memo: dict[int, Any]) -> KroneckerOptimizer:
-        """Copy the optimizer together with its model: `deepcopy((model, opt))`.
-
-        Args:
-            memo: `copy.deepcopy`'s memo, which must hold the model's copy.
-
-        Returns:
-            An optimizer of the copied model's layers, with a copy of the state.
-
-        Raises:
-            TypeError: If the model was not copied first (the copy's hooks would
-                sit on the original model).
-        """
-        if id(self._layers.model) not in memo:
-            raise TypeError(self._copy_message())
-        twin = object.__new__(type(self))
-        memo[id(self)] = twin
-        skip = ("_collector", "_preconditioners")
-        for key, value in self.__dict__.items():
-            if key not in skip:
-                twin.__dict__[key] = copy.deepcopy(value, memo)
-        twin._preconditioners = {}
-        layers = {layer: copy.deepcopy(layer, memo) for layer in self._layers}
-        twin._collector = self._collector.copy_to(layers, twin._collection_plan, memo)
-        return twin
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        """Refuse pickling and shallow copies: save `state_dict()` instead.
-
-        Args:
-            protocol: The pickle protocol.
-
-        Raises:
-            TypeError: Always.
-        """
-        raise TypeError(self._copy_message())
-
-    def _copy_message(self) -> str:
-        """Return the message for refused copies.
-
-        Returns:
-            What to do instead.
-        """
-        return (
-            f"A {type(self).__name__} optimizer cannot be pickled or copied on its "
-            "own: its hooks sit on the model. Save and load optimizer.state_dict() "
-            "(with the model's), or copy both at once: "
-            "copy.deepcopy((model, optimizer))."
-        )

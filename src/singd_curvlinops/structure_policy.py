@@ -121,7 +121,8 @@ def resolve_structures(
             ) from error
         if not isinstance(names, tuple):
             raise ValueError(
-                f"structures({name!r}, {dims}) must return a pair of names, got {names!r}."
+                f"structures({name!r}, {dims}) must return a pair of names, got "
+                f"{names!r}."
             )
     else:
         names = tuple(policy)

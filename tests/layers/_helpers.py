@@ -43,7 +43,7 @@ class LargestTensor(TorchDispatchMode):
         super().__init__()
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
         out = func(*args, **(kwargs or {}))
         for tensor in torch.utils._pytree.tree_leaves(out):
             if isinstance(tensor, Tensor) and tensor.device.type != "meta":

@@ -1,4 +1,4 @@
-"""`nn.MultiheadAttention`: unchanged outputs and gradients, exact projection factors."""
+"""`nn.MultiheadAttention`: unchanged outputs and gradients, exact factors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hugging Face `Conv1D`: a linear layer with a transposed weight, found without import."""
+"""Hugging Face `Conv1D`: a transposed linear layer, recognised without an import."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def test_grad_scaler_and_closure_equal_the_plain_run() -> None:
         nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
 
-        def closure():
+        def closure(X=X, y=y):
             scaled.zero_grad()
             loss = nn.functional.cross_entropy(scaled_model(X), y)
             scaler.scale(loss).backward()

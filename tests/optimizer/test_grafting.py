@@ -85,6 +85,7 @@ def test_grafting_keeps_the_direction() -> None:
             zip(
                 (id(p) for p in twin_layer.params),
                 (before[id(p)] for p in layer.params),
+                strict=True,
             )
         )
         b = _layer_matrix(

@@ -91,15 +91,27 @@ def build_workload(name: str, seed: int = 0) -> Workload:
         )
         inputs, targets = torch.randn(16, 64, 256), torch.randint(10, (16, 64))
         return Workload(name, model, inputs, targets, "batch+sequence")
+    if name in ("vit", "gpt"):
+        return _whole_model_workload(name)
+    raise ValueError(f"Unknown model {name!r}; choose from {', '.join(MODELS)}.")
+
+
+def _whole_model_workload(name: str) -> Workload:
+    """Build the `vit` or `gpt` workload (seeded by the caller).
+
+    Args:
+        name: `"vit"` or `"gpt"`.
+
+    Returns:
+        The workload.
+    """
     if name == "vit":
         model = _vit()
         inputs, targets = torch.randn(32, 3, 32, 32), torch.randint(10, (32,))
         return Workload(name, model, inputs, targets, "batch")
-    if name == "gpt":
-        model = CausalTransformer()
-        tokens = torch.randint(model.vocabulary, (16, 65))
-        return Workload(name, model, tokens[:, :-1], tokens[:, 1:], "batch+sequence")
-    raise ValueError(f"Unknown model {name!r}; choose from {', '.join(MODELS)}.")
+    model = CausalTransformer()
+    tokens = torch.randint(model.vocabulary, (16, 65))
+    return Workload(name, model, tokens[:, :-1], tokens[:, 1:], "batch+sequence")
 
 
 def _vit() -> nn.Module:

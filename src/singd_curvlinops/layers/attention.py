@@ -7,8 +7,10 @@ the hooks of `out_proj` never run. The adapter treats the module as a holder of
 
 | module | slots |
 |---|---|
-| `kdim == vdim == embed_dim` | `in_proj` (`in_proj_weight` \([3E, E]\), `in_proj_bias`), `out_proj` |
-| otherwise | `q_proj`, `k_proj`, `v_proj` (weights only), `in_proj_bias` (a bias-only slot), `out_proj` |
+| `kdim == vdim == embed_dim` | `in_proj` (`in_proj_weight`, `_bias`), `out_proj` |
+| otherwise | `q_proj`, `k_proj`, `v_proj` (weights), `in_proj_bias`, `out_proj` |
+
+(`in_proj_bias` is a bias-only slot when the projection weights are separate.)
 
 A projection's statistics are those of a linear layer on the inputs it is applied
 to. In self-attention (`query is key is value`) the packed projection is one

@@ -70,7 +70,7 @@ class Conv1DAdapter(LayerAdapter):
         return d_in + int(module.bias is not None), d_out
 
     def to_matrix(self, tensors: Any, params: tuple[Parameter, ...]) -> Tensor:
-        """Return \\([W^\\top\\; b]\\), `[d_out, d_K, *extra]`.
+        r"""Return \([W^\top\; b]\), `[d_out, d_K, *extra]`.
 
         Args:
             tensors: `[d_in, d_out, *extra]` (and `[d_out, *extra]`).
@@ -87,7 +87,7 @@ class Conv1DAdapter(LayerAdapter):
     def from_matrix(
         self, matrix: Tensor, params: tuple[Parameter, ...]
     ) -> list[Tensor]:
-        """Split \\([W^\\top\\; b]\\) back into `[d_in, d_out, ...]` and `[d_out, ...]`.
+        r"""Split \([W^\top\; b]\) into `[d_in, d_out, ...]` and `[d_out, ...]`.
 
         Args:
             matrix: `[d_out, d_K, *extra]`.

@@ -54,13 +54,13 @@ class Site:
 
 @dataclass(frozen=True, eq=False)
 class Layer:
-    """A layer that an optimizer preconditions (compared and hashed by identity).
+    r"""A layer that an optimizer preconditions (compared and hashed by identity).
 
     Attributes:
         name: Its name: the module's (`model.named_modules()`), with the slot's
             for modules of several slots; a bias-only layer's is its bias's name.
         module: The module of its first site.
-        adapter: That module's adapter: it defines the layout of \\(\\Gamma\\).
+        adapter: That module's adapter: it defines the layout of \(\Gamma\).
         params: Its preconditioned parameters: `(weight,)`, `(weight, bias)` or
             `(bias,)`.
         dims: `(d_K, d_C)`, the dimensions of its Kronecker factors.
@@ -148,7 +148,7 @@ class Layer:
         return self.adapter.to_matrix(tensors, self.params)
 
     def from_matrix(self, matrix: Tensor) -> list[Tensor]:
-        """Split a tensor in the layout of \\(\\Gamma\\) into one per parameter.
+        r"""Split a tensor in the layout of \(\Gamma\) into one per parameter.
 
         Args:
             matrix: `[d_C, d_K, *extra]`.

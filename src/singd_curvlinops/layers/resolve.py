@@ -97,11 +97,9 @@ def resolve(
         names: Qualified parameter names (for bias-only layers).
 
     Returns:
-        The layers, in the order of their first parameter in `batch`.
-
-    Raises:
-        ValueError: If a slot's trained parameters are only partly in `batch`, or a
-            bias is shared by slots of opposite orientations.
+        The layers, in the order of their first parameter in `batch`. A
+        `ValueError` names a slot whose trained parameters are only partly in
+        `batch`, or a bias shared by slots of opposite orientations.
     """
     trained = [s for s in sites if any(_trained(p, batch) for p in s.params)]
     _check_complete(trained, batch)
@@ -227,50 +225,29 @@ def _weight_layer(
 
     Returns:
         The layer, with a twin if some site applies the weight transposed.
-
-    Raises:
-        ValueError: If a transposed site adds the joint bias.
     """
     first = next(
         (s for s in weight_sites if bias is not None and s.slot.bias is bias),
         weight_sites[0],
     )
-    sites = []
-    for candidate in weight_sites:
-        transposed = candidate.slot.transposed != first.slot.transposed
-        if transposed and bias is not None and candidate.slot.bias is bias:
-            raise ValueError(
-                f"Bias of {candidate.name!r} is shared by slots of opposite orientations."
-            )
-        column = _bias_column(candidate, bias, transposed)
-        sites.append(
-            Site(
-                candidate.name,
-                candidate.module,
-                candidate.adapter,
-                candidate.slot,
-                transposed,
-                column,
-            )
-        )
+    sites = _sites(first, bias, weight_sites)
     d_in, d_out = first.adapter.slot_dims(first.module, first.slot)
     dims = (d_in + int(bias is not None), d_out)
     params = (weight,) if bias is None else (weight, bias)
-    group_index = batch[weight]
     diagonal = (
         any(s.slot.one_hot and not s.transposed for s in sites),
         any(s.slot.one_hot and s.transposed for s in sites),
     )
-    structures = resolve_structures(first.name, dims, groups[group_index], diagonal)
+    structures = resolve_structures(first.name, dims, groups[batch[weight]], diagonal)
     layer = Layer(
         name=first.name,
         module=first.module,
         adapter=first.adapter,
         params=params,
         dims=dims,
-        group_index=group_index,
+        group_index=batch[weight],
         group_indices=tuple(batch[p] for p in params),
-        sites=tuple(sites),
+        sites=sites,
         structures=structures,
     )
     if not any(s.transposed for s in sites):
@@ -284,6 +261,46 @@ def _weight_layer(
         swapped=True,
     )
     return replace(layer, twin=twin)
+
+
+def _sites(
+    first: SiteCandidate,
+    bias: Parameter | None,
+    weight_sites: Sequence[SiteCandidate],
+) -> tuple[Site, ...]:
+    """Return a weight's sites, oriented against its first one.
+
+    Args:
+        first: The site that sets the layer's orientation.
+        bias: The layer's bias, or None.
+        weight_sites: The slots that apply the weight.
+
+    Returns:
+        The sites.
+
+    Raises:
+        ValueError: If a transposed site adds the joint bias.
+    """
+    sites = []
+    for candidate in weight_sites:
+        transposed = candidate.slot.transposed != first.slot.transposed
+        if transposed and bias is not None and candidate.slot.bias is bias:
+            raise ValueError(
+                f"The bias of {candidate.name!r} is shared by slots that apply "
+                "the weight in opposite orientations."
+            )
+        column = _bias_column(candidate, bias, transposed)
+        sites.append(
+            Site(
+                candidate.name,
+                candidate.module,
+                candidate.adapter,
+                candidate.slot,
+                transposed,
+                column,
+            )
+        )
+    return tuple(sites)
 
 
 def _bias_layer(

@@ -255,10 +255,8 @@ def project_rows(
         overwrite: Whether dense `rows` may be overwritten.
 
     Returns:
-        The projection, in the structure of `M`.
-
-    Raises:
-        ValueError: For sparse rows and a factor that is not diagonal.
+        The projection, in the structure of `M` (`_diagonal_of` raises a
+        `ValueError` for sparse rows and a factor that is not diagonal).
     """
     if isinstance(rows, SparseRows):
         return DiagonalMatrix(_diagonal_of(M).square() * rows.gram_diagonal())

@@ -48,7 +48,7 @@ def adam_direction(
     betas: tuple[float, float],
     eps: float,
 ) -> Tensor:
-    r"""Update Adam's moments in place and return \(\hat m / (\sqrt{\hat v} + \epsilon)\).
+    r"""Update Adam's moments in place; return \(\hat m / (\sqrt{\hat v} + \epsilon)\).
 
     Args:
         grad: The gradient \(g\).

@@ -84,7 +84,7 @@ class KFACRule(FactorRule):
     def project(
         self, preconditioner: Preconditioner, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        r"""Return \(\Pi(a^\top a)\) and \(\Pi(g^\top g)\) in the factors' structures."""
+        r"""Return \(\Pi(a^\top a)\), \(\Pi(g^\top g)\) in the factors' structures."""
         return gram(type(preconditioner.K), a), gram(type(preconditioner.C), g)
 
     def zero_statistics(

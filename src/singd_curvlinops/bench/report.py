@@ -6,13 +6,13 @@ from typing import Any
 
 COLUMNS = (
     "optimizer",
-    "preconditioned",
     "ms/step",
     "× AdamW",
     "ours / ref",
     "step peak MiB",
     "state MiB",
     "final loss",
+    "preconditioned",
 )
 
 
@@ -60,13 +60,13 @@ def markdown_table(records: list[dict[str, Any]], model: str) -> str:
         share = record.get("preconditioned")
         cells = [
             record["label"],
-            "—" if share is None else f"{share:.1%}",
             _format_ms(record["ms_per_step"]),
             _format_ratio(record["vs_adamw"]),
             _format_ratio(record["vs_reference"]),
             f"{record['step_peak_mib']:.3g}",
             f"{record['state_mib']:.3g}",
             f"{record['final_loss']:.4g}",
+            "—" if share is None else f"{share:.1%}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

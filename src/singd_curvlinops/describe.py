@@ -8,7 +8,7 @@ parameters that is preconditioned, the layers, the fallback, the state's bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,42 +134,54 @@ class OptimizerSummary:
         return "\n".join(text)
 
 
-def summarize(optimizer: Any, name: Callable[[Parameter], str]) -> OptimizerSummary:
-    """Return the summary of a `KroneckerOptimizer`.
+def summarize(
+    optimizer: str,
+    layers: Sequence[Any],
+    fallback: Sequence[tuple[Mapping[str, Any], Parameter]],
+    state: Mapping[Parameter, Mapping[str, Any]],
+    *,
+    label: Callable[[Any], str],
+    name: Callable[[Parameter], str],
+) -> OptimizerSummary:
+    """Return the summary of an optimizer's layers and fallback parameters.
 
     Args:
-        optimizer: The optimizer.
-        name: Map from parameter to its name in the model.
+        optimizer: The optimizer's class name.
+        layers: Its `Layer` records.
+        fallback: Its fallback parameters, each with its group.
+        state: Its state.
+        label: Map from a layer to the name of its rule (`"SINGD"`, ...).
+        name: Map from a parameter to its name in the model.
 
     Returns:
         The summary.
     """
     rows = []
-    for layer in optimizer.layers:
-        group = optimizer.param_groups[layer.group_index]
+    for layer in layers:
         tied = [site.name for site in layer.sites[1:]]
         rows.append(
             SummaryRow(
                 name=layer.name + (f" (tied: {', '.join(tied)})" if tied else ""),
-                rule=optimizer._rule.label(group),
+                rule=label(layer),
                 structures=", ".join(layer.structures),
                 dims=" x ".join(str(d) for d in layer.dims),
                 numel=sum(p.numel() for p in layer.params),
-                state_bytes=sum(_state_bytes(optimizer.state[p]) for p in layer.params),
+                state_bytes=sum(_state_bytes(state[p]) for p in layer.params),
             )
         )
-    for group, param in optimizer._fallback_params(optimizer.param_groups):
+    for group, param in fallback:
+        rule = "AdamW" if group["fallback"] == "adamw" else "SGD"
         rows.append(
             SummaryRow(
                 name=name(param),
-                rule=f"{'AdamW' if group['fallback'] == 'adamw' else 'SGD'} fallback",
+                rule=f"{rule} fallback",
                 structures="",
                 dims="",
                 numel=param.numel(),
-                state_bytes=_state_bytes(optimizer.state[param]),
+                state_bytes=_state_bytes(state[param]),
             )
         )
-    return OptimizerSummary(type(optimizer).__name__, tuple(rows))
+    return OptimizerSummary(optimizer, tuple(rows))
 
 
 def _state_bytes(state: Mapping[str, Any]) -> int:

@@ -138,7 +138,14 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         Returns:
             A summary; `print(optimizer.describe())` shows it as a table.
         """
-        return summarize(self, self._layers.name)
+        return summarize(
+            type(self).__name__,
+            self.layers,
+            self._fallback_params(self.param_groups),
+            self.state,
+            label=lambda layer: self._rule.label(self.param_groups[layer.group_index]),
+            name=self._layers.name,
+        )
 
     def preconditioner(self, layer: Layer | Module) -> Preconditioner:
         """Return a layer's current preconditioner (cached until its factors change).

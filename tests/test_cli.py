@@ -116,7 +116,10 @@ def test_console_script_and_extras_are_declared():
         (["demo", "--seed", "-1"], "--seed: expected a non-negative integer"),
         (["demo", "--threads", "0"], "--threads: expected a positive integer"),
         (["bench", "--models", "rnn"], "unknown model 'rnn'; choose from mlp, cnn"),
-        (["bench", "--models", ","], "give at least one model (mlp, cnn, seq, vit, gpt)"),
+        (
+            ["bench", "--models", ","],
+            "give at least one model (mlp, cnn, seq, vit, gpt)",
+        ),
         (["bench", "--structures", "nonsense"], "Valid names: dense, diagonal"),
         (["bench", "--structures", ""], "give at least one structure name"),
         (["bench", "--T", "a"], "--T: expected a positive integer, got 'a'"),

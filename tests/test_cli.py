@@ -129,7 +129,10 @@ def test_console_script_and_extras_are_declared():
         (["demo", "--threads", "0"], "--threads: expected an integer in [1, 21474"),
         (["demo", "--threads", str(2**31)], "--threads: expected an integer in [1, "),
         (["bench", "--models", "rnn"], "unknown model 'rnn'; choose from mlp, cnn"),
-        (["bench", "--models", ","], "give at least one model (mlp, cnn, seq)"),
+        (
+            ["bench", "--models", ","],
+            "give at least one model (mlp, cnn, seq, vit, gpt)",
+        ),
         (["bench", "--structures", "nonsense"], "Valid names: dense, diagonal"),
         (["bench", "--structures", ""], "give at least one structure name"),
         (["bench", "--T", "a"], "--T: expected a positive integer, got 'a'"),

@@ -108,6 +108,66 @@ def _single_process(opts: dict[str, Any], steps: int = STEPS) -> list[Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+# ------------------------------------------------- a whole model (issue 13)
+VOCABULARY, WIDTH, SEQUENCE = 11, 6, 4
+WHOLE = {"lr": 0.05, "T": 2, "loss_average": "batch+sequence", "momentum": 0.5}
+
+
+class _Whole(nn.Module):
+    """Embedding tied to the output layer, attention, fallback parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCABULARY, WIDTH, padding_idx=0)
+        self.position = nn.Parameter(0.1 * torch.randn(SEQUENCE, WIDTH))
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCABULARY, bias=False)
+        self.head.weight = self.embed.weight
+        self.double()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens) + self.position
+        h = self.norm(h + self.attention(h, h, h, need_weights=False)[0])
+        return self.head(h)
+
+
+def _tokens(step: int) -> Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCABULARY, (BATCH, SEQUENCE), generator=generator)
+
+
+def _token_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), tokens.roll(1, 1).flatten())
+
+
+def _whole_single_process() -> list[Tensor]:
+    model = _Whole()
+    optimizer = SINGD(model, **WHOLE)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        _token_loss(model, _tokens(step)).backward()
+        optimizer.step()
+    return _params(model)
+
+
+def _run_whole_model(results: dict[str, Any]) -> None:
+    model = _Whole()
+    net = DistributedDataParallel(model)
+    optimizer = SINGD(net, **WHOLE)
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+        optimizer.zero_grad()
+        _token_loss(net, _tokens(step)[local]).backward()
+        optimizer.step()
+    results["params/whole"] = _params(model)
+    results["whole/fallback"] = len(optimizer.fallback_params)
+    results["whole/twins"] = sum(layer.twin is not None for layer in optimizer.layers)
+
+
 # ------------------------------------------------------------------ the workers
 def _local_batch(step: int, rank: int) -> tuple[Tensor, Tensor]:
     X, y = _batch(step)
@@ -260,6 +320,7 @@ def _misuse_and_no_group(results: dict[str, Any]) -> None:
 def _train(results: dict[str, Any], out_dir: Path) -> None:
     _run_cases(out_dir, results)
     _measure_bytes(results)
+    _run_whole_model(results)
     dist.destroy_process_group()
 
 
@@ -361,6 +422,20 @@ def test_processes_equal_one_process_on_concatenated_batch(
     assert moved > 1e-3  # training did something
     for result in ranks:
         _assert_close(result[f"params/{name}"], expected)
+
+
+def test_whole_model_equals_one_process(ranks: list[dict[str, Any]]) -> None:
+    """Fallback parameters, a tied embedding and attention under DDP."""
+    expected = _whole_single_process()
+    initial = _params(_Whole())
+    moved = max(
+        (p - q).abs().max().item() for p, q in zip(expected, initial, strict=True)
+    )
+    assert moved > 1e-3
+    for result in ranks:
+        assert result["whole/fallback"] == 3  # position, norm weight and bias
+        assert result["whole/twins"] == 1  # the embedding tied to the head
+        _assert_close(result["params/whole"], expected)
 
 
 def test_gradient_accumulation_with_no_sync(ranks: list[dict[str, Any]]) -> None:

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
+from singd_curvlinops.rules.fallback import FALLBACKS, GRAFTS
 from singd_curvlinops.statistics import check_kfac_approx, check_loss_average
-from singd_curvlinops.structures import get_structure
+from singd_curvlinops.structure_policy import check_max_dense_dim, check_structures
 
 
 def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
@@ -28,27 +29,6 @@ def check_number(name: str, value: Any, low: float, high: float | None = None) -
     if value != value or value < low or (high is not None and value >= high):
         allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {allowed}, got {value!r}.")
-
-
-def check_structures(structures: Any) -> tuple[str, str]:
-    """Check a pair of structure names `(K, C)`.
-
-    Args:
-        structures: Candidate pair.
-
-    Returns:
-        The pair as a tuple.
-
-    Raises:
-        ValueError: If it is not a pair of known structure names.
-    """
-    if isinstance(structures, str) or len(structures) != 2:
-        raise ValueError(
-            f"structures must be a pair (K structure, C structure), got {structures!r}."
-        )
-    for name in structures:
-        get_structure(name)  # raises ValueError listing the valid names
-    return tuple(structures)
 
 
 def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:
@@ -100,3 +80,46 @@ def check_common(group: dict[str, Any]) -> None:
     group["preconditioner_dtype"] = check_preconditioner_dtype(
         group["preconditioner_dtype"]
     )
+    group["structures"] = check_structures(group["structures"])
+    group["max_dense_dim"] = check_max_dense_dim(group["max_dense_dim"])
+    check_fallback(group)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Check that `value` is one of `choices` or None.
+
+    Args:
+        name: Argument name for the message.
+        value: Candidate value.
+        choices: The allowed strings.
+
+    Raises:
+        ValueError: If it is not.
+    """
+    if value is not None and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}.")
+
+
+def check_fallback(group: dict[str, Any]) -> None:
+    """Validate the fallback and grafting options, normalising them in place.
+
+    Args:
+        group: The group's options.
+
+    Raises:
+        ValueError: If `fallback_betas` is not a pair; other values are checked by
+            `check_choice` and `check_number`.
+    """
+    check_choice("fallback", group["fallback"], FALLBACKS)
+    check_choice("graft", group["graft"], GRAFTS)
+    check_number("fallback_lr_ratio", group["fallback_lr_ratio"], 0.0)
+    check_number("fallback_eps", group["fallback_eps"], 0.0)
+    betas = group["fallback_betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(
+            f"fallback_betas must be a pair (beta1, beta2), got {betas!r}."
+        )
+    for index, beta in enumerate(betas):
+        check_number(f"fallback_betas[{index}]", beta, 0.0, 1.0)
+    group["fallback_betas"] = tuple(betas)

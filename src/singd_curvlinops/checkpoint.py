@@ -1,10 +1,12 @@
 """Checkpoints: `state_dict()` as plain tensors and containers, checked before loading.
 
 `to_plain` makes an optimizer's state dict loadable with
-`torch.load(..., weights_only=True)`: dtypes become strings, structure pairs lists,
-and a callable `lr_cov` a marker that `from_plain` replaces by the callable of the
-optimizer that loads it. `validated_factors` compares the factors of a state dict
-with the layers of the loading optimizer before anything changes, and keeps them
+`torch.load(..., weights_only=True)`: dtypes become strings, pairs lists, and a
+callable `lr_cov` or `structures` a marker that `from_plain` replaces by the
+callable of the optimizer that loads it. Options that a checkpoint lacks (it was
+written before they existed) take the loading optimizer's values.
+`validated_factors` compares the factors of a state dict with the layers of the
+loading optimizer before anything changes, and keeps them
 in their saved dtypes: `torch.optim.Optimizer.load_state_dict` casts floating
 state to the parameter's dtype, which would turn float32 factors of bfloat16
 weights into bfloat16 (`restore_factors` undoes that).
@@ -22,6 +24,9 @@ from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 
 CALLABLE_LR_COV = "<callable lr_cov: restored from the optimizer on load>"
+CALLABLE_STRUCTURES = "<callable structures: restored from the optimizer on load>"
+_CALLABLES = {"lr_cov": CALLABLE_LR_COV, "structures": CALLABLE_STRUCTURES}
+_PAIRS = ("structures", "fallback_betas")
 
 
 def to_plain(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -34,13 +39,16 @@ def to_plain(state_dict: dict[str, Any]) -> dict[str, Any]:
         The same dictionary.
     """
     for group in state_dict["param_groups"]:
-        if callable(group.get("lr_cov")):
-            group["lr_cov"] = CALLABLE_LR_COV
+        for key, marker in _CALLABLES.items():
+            if callable(group.get(key)):
+                group[key] = marker
         group["preconditioner_dtype"] = [
             None if d is None else str(d).removeprefix("torch.")
             for d in group["preconditioner_dtype"]
         ]
-        group["structures"] = list(group["structures"])
+        for key in _PAIRS:
+            if isinstance(group.get(key), tuple):
+                group[key] = list(group[key])
     return state_dict
 
 
@@ -57,27 +65,32 @@ def from_plain(
         The state dict to hand to `torch.optim.Optimizer.load_state_dict`.
 
     Raises:
-        ValueError: If the checkpoint has a callable `lr_cov` where the loading
-            optimizer has none.
+        ValueError: If the checkpoint has a callable `lr_cov` or `structures`
+            where the loading optimizer has none.
     """
     restored = {
         "state": dict(state_dict["state"]),
         "param_groups": [dict(g) for g in state_dict["param_groups"]],
     }
-    callables = [g.get("lr_cov") for g in current_groups]
-    for group, lr_cov in zip(restored["param_groups"], callables, strict=False):
+    for group, current in zip(restored["param_groups"], current_groups, strict=False):
+        for key, value in current.items():  # options newer than the checkpoint
+            group.setdefault(key, value)
         group["preconditioner_dtype"] = tuple(
             None if d is None else getattr(torch, d)
             for d in group["preconditioner_dtype"]
         )
-        group["structures"] = tuple(group["structures"])
-        if group.get("lr_cov") == CALLABLE_LR_COV:
-            if not callable(lr_cov):
+        for key in _PAIRS:
+            if isinstance(group.get(key), list):
+                group[key] = tuple(group[key])
+        for key, marker in _CALLABLES.items():
+            if group.get(key) != marker:
+                continue
+            if not callable(current.get(key)):
                 raise ValueError(
-                    "The checkpoint was saved with a callable lr_cov; construct "
+                    f"The checkpoint was saved with a callable {key}; construct "
                     "the optimizer with the same callable before loading."
                 )
-            group["lr_cov"] = lr_cov
+            group[key] = current[key]
     return restored
 
 
@@ -116,23 +129,40 @@ def validated_factors(
         saved = state_dict["state"].get(index, {})
         if param not in layers or "step" not in saved:
             continue
-        layer, group = layers[param], group_of[index]
-        ours = current_groups[layer.group_index]
-        if rule.structures(group) != rule.structures(ours):
-            raise ValueError(
-                f"The state uses structures {rule.structures(group)}, this "
-                f"optimizer {rule.structures(ours)}."
-            )
+        layer = layers[param]
+        group = layer.options(group_of[index])
         initial = rule.init_state(group, layer.dims, layer.factor_dtypes(group), "meta")
-        expected = {k: v.shape for k, v in initial.items() if isinstance(v, Tensor)}
-        found = {k: v.shape for k, v in saved.items() if k in expected}
+        expected = {
+            k: tuple(v.shape)
+            for k, v in initial.items()
+            if isinstance(v, Tensor) and not k.startswith("graft_")
+        }
+        found = {
+            k: tuple(v.shape)
+            for k, v in saved.items()
+            if isinstance(v, Tensor) and k.split(".")[0] in _factor_prefixes(rule)
+        }
         if found != expected:
             raise ValueError(
-                "The state's factor shapes do not match this model's layer "
-                f"{layer.name!r}: it belongs to another model."
+                f"The state's factors of layer {layer.name!r} do not match this "
+                f"optimizer's: saved {found}, expected {expected} (structures "
+                f"{layer.structures}); it belongs to another model or structure "
+                "configuration."
             )
         factors[param] = {k: saved[k] for k in expected}
     return factors
+
+
+def _factor_prefixes(rule: FactorRule) -> set[str]:
+    """Return the state prefixes of a rule's factors (`"K"`, `"m_K"`, ...).
+
+    Args:
+        rule: The factor rule.
+
+    Returns:
+        The prefixes.
+    """
+    return {prefix for prefix, _ in rule.factor_sides}
 
 
 def restore_factors(

@@ -1,18 +1,22 @@
-r"""The statistics collector: hooks, micro-batch accumulation, hand-over, finiteness.
+r"""The statistics collector: hooks, accumulation, hand-over, finiteness.
 
-On a step that updates a layer's factors, a forward hook takes the layer's input
-and installs a tensor hook on its output (no module backward hooks: they break
-in-place activations). In the backward pass that hook turns input and output
-gradient into the rows \(a\), \(\tilde g\) (the layer's adapter, curvlinops'
-conventions) and the optimizer's rule into one micro-batch's statistics
-\((H_K, H_C)\). Micro-batches accumulate into a `PendingStatistics` record:
-\(H_K\) as the example-weighted mean, \(H_C\) as the sum, scaled at hand-out by
-\(\nu(N)\) (`statistics.gradient_scale`) and the gradient-scale correction.
+On a step that updates a layer's factors, a forward hook on each module that
+applies it asks the module's adapter for the *uses* of the call (input and output
+of each application of a slot; `LayerAdapter.forward_uses`) and installs a tensor
+hook on each use's output (no module backward hooks: they break in-place
+activations). In the backward pass that hook turns input and output gradient into
+the rows \(a\), \(\tilde g\) (the adapter, curvlinops' conventions), brings them
+into the layer's layout (bias column, output rows of a partial use) and hands them
+to the optimizer's rule, which forms one use's statistics \((H_K, H_C)\). Uses
+accumulate in a `PendingStatistics` record (`singd_curvlinops.pending`: uses of one
+backward pass concatenate, passes average), scaled at hand-out by \(\nu(N)\)
+(`statistics.gradient_scale`) and the gradient-scale correction; a layer with
+transposed uses combines both orientations (`pending.kronecker_sum`).
 
 What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
 weakly: a dropped optimizer stops collecting. A copied model gets inert hooks
-(see `_LayerHook`).
+(see `hooks.ModuleHook`).
 """
 
 from __future__ import annotations
@@ -31,27 +35,15 @@ from torch.utils.hooks import RemovableHandle
 
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
-from singd_curvlinops.layers import Layer
+from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
+from singd_curvlinops.layers import Layer, Site, Use
+from singd_curvlinops.layers.rows import layer_gradient_rows, layer_input_rows
+from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
 from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.structures import StructuredMatrix
 from singd_curvlinops.update import all_finite
 
-
-@dataclass(slots=True)
-class PendingStatistics:
-    r"""A layer's statistics collected since its last factor update.
-
-    Attributes:
-        H_K: Mean of the micro-batches' \(H_K\), weighted by their examples.
-        H_C: Sum of the micro-batches' \(H_C\) (before the scale \(\nu\)).
-        num_examples: Examples \(N\) so far.
-        grad_scale: The gradient scale that the rows \(\tilde g\) were divided by.
-    """
-
-    H_K: StructuredMatrix
-    H_C: StructuredMatrix
-    num_examples: int
-    grad_scale: float
+Project = Callable[[Any, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
 
 
 @dataclass(frozen=True)
@@ -64,13 +56,31 @@ class CollectionPlan:
         dtypes: Dtypes of the input and output rows (the factors').
         grad_scale: Scale of the output gradients expected in this pass.
         project: The rule's map from rows `(a, g)` to `(H_K, H_C)`.
+        project_transposed: The same for the layer seen transposed (its twin):
+            the factors' sides swapped; None if the layer has no twin.
     """
 
     kfac_approx: str
     loss_average: statistics.LossAverage
     dtypes: tuple[torch.dtype, torch.dtype]
     grad_scale: float
-    project: Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
+    project: Project
+    project_transposed: Project | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Entry:
+    """A site of a layer on a hooked module, and where its statistics go.
+
+    Attributes:
+        layer: The layer.
+        site: The site.
+        key: The layer, or its twin for a transposed site.
+    """
+
+    layer: Layer
+    site: Site
+    key: Layer
 
 
 class StatisticsCollector:
@@ -85,90 +95,158 @@ class StatisticsCollector:
 
     def __init__(self, plan: Callable[[Layer], CollectionPlan | None]) -> None:
         self._plan = weakref.WeakMethod(plan)
-        self.pending: dict[Layer, PendingStatistics] = {}
+        self._pending: dict[Layer, PendingStatistics] = {}
         self._handed_over: dict[Layer, tuple[Tensor, Tensor]] = {}
-        self._handles: dict[Layer, RemovableHandle] = {}
+        self._entries: dict[Module, list[_Entry]] = {}
+        self._handles: dict[Module, list[RemovableHandle]] = {}
+        self._before: dict[Module, Any] = {}
+        self._layers: list[Layer] = []
         self._warned: set[str] = set()
+
+    @property
+    def pending(self) -> dict[Layer, PendingStatistics]:
+        """The pending statistics by layer (or twin), every open pass closed."""
+        for record in self._pending.values():
+            record.close()
+        return self._pending
 
     # ------------------------------------------------------------------ hooks
     def attach(self, layer: Layer) -> None:
-        """Install the forward hook of a layer.
+        """Hook the modules of a layer's sites (one pair of hooks per module).
 
         Args:
             layer: The layer.
         """
-        self._handles[layer] = layer.module.register_forward_hook(
-            _LayerHook(self, layer), with_kwargs=True
-        )
+        self._layers.append(layer)
+        for site in layer.sites:
+            key = layer.twin if site.transposed else layer
+            module = site.module
+            if module not in self._entries:
+                self._entries[module] = []
+                hook = ModuleHook(self)
+                handles = [module.register_forward_hook(hook, with_kwargs=True)]
+                if site.adapter.needs_before_forward:
+                    handles.append(
+                        module.register_forward_pre_hook(
+                            PreHook(self), with_kwargs=True
+                        )
+                    )
+                self._handles[module] = handles
+            self._entries[module].append(_Entry(layer, site, key))
 
     def detach(self) -> None:
         """Remove every hook of this collector from the model."""
-        for handle in self._handles.values():
-            handle.remove()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
         self._handles.clear()
 
-    def on_forward(
-        self, layer: Layer, args: tuple, kwargs: dict[str, Any], output: Any
-    ) -> None:
-        """If the layer collects in this pass, hook its output's gradient.
+    def _active(self, module: Module) -> list[tuple[_Entry, CollectionPlan]]:
+        """Return the entries of a module's call that collect, with their plans.
 
-        Calls with parameters other than the layer's own (`torch.func`'s
-        `functional_call`, as in curvlinops' vectorised products) are ignored.
+        Calls with parameters other than the layers' own (`torch.func`'s
+        `functional_call`, as in curvlinops' vectorised products or the attention
+        adapter's recomputation) collect nothing.
 
         Args:
-            layer: The layer.
+            module: The called module.
+
+        Returns:
+            The collecting entries (none outside autograd or off update steps).
+        """
+        entries = self._entries.get(module)
+        owner_plan = self._plan()
+        if not entries or owner_plan is None or not torch.is_grad_enabled():
+            return []
+        plans: dict[Layer, CollectionPlan | None] = {}
+        for entry in entries:
+            if entry.layer not in plans:
+                plans[entry.layer] = owner_plan(entry.layer)
+        active = [(e, plans[e.layer]) for e in entries if plans[e.layer] is not None]
+        if active and not own_parameters(module, entries):
+            return []
+        return active
+
+    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> None:
+        """Keep what the adapter needs from before a collecting call.
+
+        Args:
+            module: The module.
+            args: Positional inputs of its forward call.
+            kwargs: Keyword inputs.
+        """
+        if self._active(module):
+            adapter = self._entries[module][0].site.adapter
+            self._before[module] = adapter.before_forward(module, args, kwargs)
+
+    def on_forward(
+        self, module: Module, args: tuple, kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """If the module's layers collect in this pass, hook the uses' outputs.
+
+        Args:
+            module: The module.
             args: Positional inputs of its forward call.
             kwargs: Keyword inputs.
             output: Its output.
+
+        Returns:
+            A replacement output from the adapter, or None.
         """
-        if not torch.is_grad_enabled() or not isinstance(output, Tensor):
-            return
-        if not output.requires_grad:
-            return
-        if layer.adapter.weight(layer.module) is not layer.weight:
-            return  # called with other parameters (`torch.func.functional_call`)
-        owner_plan = self._plan()
-        plan = None if owner_plan is None else owner_plan(layer)
-        if plan is None:
-            return
-        x = layer.adapter.layer_input(layer.module, args, kwargs)
-        output.register_hook(partial(self._accumulate, layer, x, plan))
+        active = self._active(module)
+        before = self._before.pop(module, None)
+        if not active:
+            return None
+        adapter = active[0][0].site.adapter
+        uses, replacement = adapter.forward_uses(module, args, kwargs, output, before)
+        for use in uses:
+            for entry, plan in active:
+                if entry.site.slot.name == use.slot:
+                    use.output.register_hook(
+                        partial(self._accumulate, entry, use, plan)
+                    )
+        return replacement
 
     @torch.compiler.disable
     def _accumulate(
-        self, layer: Layer, x: Tensor, plan: CollectionPlan, grad_output: Tensor
+        self, entry: _Entry, use: Use, plan: CollectionPlan, grad_output: Tensor
     ) -> None:
-        r"""Add one micro-batch's \(H_K\), \(H_C\) to the layer's pending statistics.
+        r"""Add one use's \(H_K\), \(H_C\) to its layer's pending statistics.
 
         Args:
-            layer: The layer.
-            x: Its input in the forward pass (batch first).
+            entry: The layer's site on the module.
+            use: The application.
             plan: What to collect.
-            grad_output: The gradient w.r.t. its output.
+            grad_output: The gradient w.r.t. the use's output.
         """
         with torch.no_grad():
-            adapter, module = layer.adapter, layer.module
-            dtype_K, dtype_C = plan.dtypes
-            a = adapter.input_rows(module, x.to(dtype_K), plan.kfac_approx)
-            g = adapter.gradient_rows(
-                module, grad_output, plan.kfac_approx, plan.loss_average
-            ).to(dtype_C)
+            site = entry.site
+            dtype_a, dtype_g = plan.dtypes[::-1] if site.transposed else plan.dtypes
+            if use.batch_dim is None:
+                grad_output = grad_output.unsqueeze(0)
+            elif use.batch_dim:
+                grad_output = grad_output.movedim(use.batch_dim, 0)
+            g = site.adapter.use_gradient_rows(
+                site.module, use, grad_output, plan.kfac_approx, plan.loss_average
+            )
+            g = layer_gradient_rows(g.to(dtype_g), use, entry.layer, site)
             if plan.grad_scale != 1.0:
                 g = g / plan.grad_scale
-            H_K, H_C = plan.project(a, g)
-            batch = x.shape[0]
-            pending = self.pending.get(layer)
+            a = layer_input_rows(site, use, g.shape[0], plan.kfac_approx, dtype_a)
+            project = plan.project_transposed if site.transposed else plan.project
+            H_K, H_C = project(a, g)
+            counts = {
+                "rows": a.shape[0],
+                "examples": grad_output.shape[0],
+                "pass_id": backward_pass_id(),
+            }
+            pending = self._pending.get(entry.key)
             if pending is None:
-                self.pending[layer] = PendingStatistics(
-                    H_K, H_C, batch, plan.grad_scale
+                self._pending[entry.key] = PendingStatistics.open(
+                    H_K, H_C, grad_scale=plan.grad_scale, **counts
                 )
-                return
-            total = pending.num_examples + batch
-            pending.H_K.mul_(pending.num_examples / total).add_(
-                H_K, alpha=batch / total
-            )
-            pending.H_C.add_(H_C)
-            pending.num_examples = total
+            else:
+                pending.add(H_K, H_C, **counts)
 
     # ------------------------------------------------------------ hand-out
     def hand_over(
@@ -229,10 +307,18 @@ class StatisticsCollector:
             The statistics, \(H_C\) scaled to the convention of \(U_C\); or None.
         """
         handed_over = self._handed_over.pop(layer, None)
-        pending = self.pending.pop(layer, None)
+        terms = []
+        for key in (layer, layer.twin):
+            record = self.pending.pop(key, None) if key is not None else None
+            if record is not None:
+                unscale = (record.grad_scale / grad_scale) ** 2
+                nu = statistics.gradient_scale(loss_average, record.num_examples)
+                record.H_C.mul_(nu * unscale)
+                H_K, H_C = record.H_K, record.H_C
+                terms.append((H_C, H_K) if key.swapped else (H_K, H_C))
         if handed_over is not None:
             return FactorStatistics(handed_over=handed_over)
-        if pending is None:
+        if not terms:
             if layer.name not in self._warned:
                 self._warned.add(layer.name)
                 warn(
@@ -242,10 +328,7 @@ class StatisticsCollector:
                     "statistics arrive."
                 )
             return None
-        unscale = (pending.grad_scale / grad_scale) ** 2
-        nu = statistics.gradient_scale(loss_average, pending.num_examples)
-        pending.H_C.mul_(nu * unscale)
-        return FactorStatistics(collected=(pending.H_K, pending.H_C))
+        return FactorStatistics(collected=kronecker_sum(terms))
 
     def discard(self, layer: Layer) -> None:
         """Drop a layer's pending statistics (its factors are not due).
@@ -253,11 +336,13 @@ class StatisticsCollector:
         Args:
             layer: The layer.
         """
-        self.pending.pop(layer, None)
+        self._pending.pop(layer, None)
+        if layer.twin is not None:
+            self._pending.pop(layer.twin, None)
 
     def clear(self) -> None:
         """Drop all pending and handed-over statistics."""
-        self.pending.clear()
+        self._pending.clear()
         self._handed_over.clear()
 
     @property
@@ -288,7 +373,7 @@ class StatisticsCollector:
         """Return a collector with this one's statistics on copied layers.
 
         The copies' modules hold inert copies of this collector's hooks (see
-        `_LayerHook.__deepcopy__`): they are replaced by live ones.
+        `hooks.ModuleHook.__deepcopy__`): they are replaced by live ones.
 
         Args:
             layers: Map from each of this collector's layers to its copy.
@@ -298,68 +383,21 @@ class StatisticsCollector:
         Returns:
             The new collector, attached to the copied layers.
         """
+        keys = dict(layers)
+        keys.update({k.twin: v.twin for k, v in layers.items() if k.twin is not None})
         twin = StatisticsCollector(plan)
-        twin.pending = {
-            layers[k]: copy.deepcopy(v, memo) for k, v in self.pending.items()
+        twin._pending = {
+            keys[k]: copy.deepcopy(v, memo) for k, v in self._pending.items()
         }
         twin._handed_over = {
-            layers[k]: copy.deepcopy(v, memo) for k, v in self._handed_over.items()
+            keys[k]: copy.deepcopy(v, memo) for k, v in self._handed_over.items()
         }
         twin._warned = set(self._warned)
-        for layer, handle in self._handles.items():
-            _remove_hook(layers[layer].module, handle.id)
+        for module, handles in self._handles.items():
+            copied = memo.get(id(module))
+            for handle in handles:
+                if copied is not None:
+                    remove_hook(copied, handle.id)
+        for layer in self._layers:
             twin.attach(layers[layer])
         return twin
-
-
-class _LayerHook:
-    """A layer's forward hook; holds its collector weakly.
-
-    A copy of the model (`copy.deepcopy`, pickling) gets an inert hook: the
-    original collector must not see the copy's passes.
-    """
-
-    __slots__ = ("_collector", "_layer")
-
-    def __init__(self, collector: StatisticsCollector, layer: Layer) -> None:
-        self._collector = weakref.ref(collector)
-        self._layer = layer
-
-    # The hooks run eagerly under `torch.compile`: they branch on the optimizer's
-    # step counter and mutate its state, which Dynamo would otherwise trace into
-    # one specialised graph per layer and phase until it hits its recompile limit.
-    @torch.compiler.disable
-    def __call__(
-        self, module: Module, args: tuple, kwargs: dict[str, Any], output: Any
-    ) -> None:
-        collector = self._collector()
-        if collector is not None:
-            collector.on_forward(self._layer, args, kwargs, output)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
-        return _InertHook()
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        return _InertHook, ()
-
-
-class _InertHook:
-    """The hook a copied model carries in place of an optimizer's: does nothing."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
-
-
-def _remove_hook(module: Module, hook_id: int) -> None:
-    """Remove the forward hook registered under `hook_id` (as its handle would).
-
-    Args:
-        module: The module.
-        hook_id: The id of the hook's `RemovableHandle`.
-    """
-    for hooks in (
-        module._forward_hooks,
-        module._forward_hooks_with_kwargs,
-        module._forward_hooks_always_called,
-    ):
-        hooks.pop(hook_id, None)

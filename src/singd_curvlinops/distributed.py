@@ -177,7 +177,7 @@ class StatisticsExchange:
             rule: Its factor rule (for zero statistics).
         """
         description = ";".join(
-            f"{layer.name}:{layer.dims}:{rule.structures(groups[layer.group_index])}:"
+            f"{layer.name}:{layer.dims}:{layer.structures}:"
             + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
             for layer in layers
         )
@@ -190,7 +190,7 @@ class StatisticsExchange:
         for layer in due:
             record = pending.get(layer)
             if record is None:
-                group = groups[layer.group_index]
+                group = layer.options(groups[layer.group_index])
                 H_K, H_C = rule.zero_statistics(
                     group, layer.dims, layer.factor_dtypes(group), layer.weight.device
                 )

@@ -27,6 +27,7 @@ from torch.nn import Module, Parameter
 
 from singd_curvlinops.rules import KFACRule
 from singd_curvlinops.shell import KroneckerOptimizer
+from singd_curvlinops.structure_policy import DEFAULT_MAX_DENSE_DIM
 
 
 class KFAC(KroneckerOptimizer):
@@ -41,12 +42,16 @@ class KFAC(KroneckerOptimizer):
     | `T` | \(T\) | update factors and inverses every `T` steps |
     | `ema_decay` | \(\beta\) | exponential averaging of the factors |
     | `loss_average`, `kfac_approx` | — | as for `SINGD` |
+    | `max_dense_dim` | — | factors over this dimension are diagonal |
+    | `fallback`, `fallback_*`, `graft` | — | as for `SINGD` |
 
-    All options after `params` are keyword-only.
+    Factors are dense up to dimension `max_dense_dim` and diagonal above (an
+    embedding's input factor always). All options after `params` are keyword-only.
 
     Args:
         model: The network whose supported layers are preconditioned.
-        params: Parameters or parameter groups (default: all supported layers).
+        params: Parameters or parameter groups (default: every trainable
+            parameter; see `SINGD`).
         lr: Learning rate \(\ge 0\).
         momentum: Momentum in \([0, 1)\).
         damping: Damping \(\lambda \ge 0\) of both factors.
@@ -58,6 +63,12 @@ class KFAC(KroneckerOptimizer):
         warn_unsupported: Warn about parameters of unsupported layers.
         preconditioner_dtype: Dtypes of \(A\) and \(G\) (None: the parameter's).
         init_grad_scale: Expected gradient scale of the first step (AMP).
+        max_dense_dim: Factors of larger dimension are diagonal (None: all dense).
+        fallback: Rule of the parameters no layer owns (see `SINGD`).
+        fallback_lr_ratio: The fallback's learning rate over `lr`.
+        fallback_betas: AdamW's \((\beta_1, \beta_2)\) (fallback and grafting).
+        fallback_eps: AdamW's \(\epsilon\).
+        graft: None, `"adamw"` or `"sgd"` (see `SINGD`).
     """
 
     def __init__(
@@ -79,6 +90,12 @@ class KFAC(KroneckerOptimizer):
             None,
         ),
         init_grad_scale: float = 1.0,
+        max_dense_dim: int | None = DEFAULT_MAX_DENSE_DIM,
+        fallback: str | None = "adamw",
+        fallback_lr_ratio: float = 1.0,
+        fallback_betas: tuple[float, float] = (0.9, 0.999),
+        fallback_eps: float = 1e-8,
+        graft: str | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -87,10 +104,16 @@ class KFAC(KroneckerOptimizer):
             "weight_decay": weight_decay,
             "T": T,
             "loss_average": loss_average,
-            "structures": ("dense", "dense"),
+            "structures": "auto",
             "kfac_approx": kfac_approx,
             "preconditioner_dtype": preconditioner_dtype,
             "ema_decay": ema_decay,
+            "max_dense_dim": max_dense_dim,
+            "fallback": fallback,
+            "fallback_lr_ratio": fallback_lr_ratio,
+            "fallback_betas": fallback_betas,
+            "fallback_eps": fallback_eps,
+            "graft": graft,
         }
         super().__init__(
             model,

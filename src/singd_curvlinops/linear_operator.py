@@ -120,8 +120,7 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         """
         out = [x.clone() for x in X]  # parameters outside any layer: identity
         for block in self._blocks:
-            params, adapter = block.layer.params, block.layer.adapter
-            M = adapter.to_matrix([X[i] for i in block.indices], params)
+            M = block.layer.to_matrix([X[i] for i in block.indices])
             d_C, d_K, num = M.shape
             # right factor: M K Kᵀ, i.e. K Kᵀ on the d_K axis of every (row, column)
             right = self._apply_side(
@@ -131,7 +130,7 @@ class SINGDLinearOperator(PyTorchLinearOperator):
             left = self._apply_side(block.C, M.reshape(d_C, -1), block.square_roots)
             left = left.reshape(d_C, d_K, num).to(X[block.indices[0]].dtype)
             for i, part in zip(
-                block.indices, adapter.from_matrix(left, params), strict=True
+                block.indices, block.layer.from_matrix(left), strict=True
             ):
                 out[i] = part
         return out

@@ -1,21 +1,24 @@
 r"""The `torch.optim` shell that `SINGD` and `KFAC` share.
 
 `KroneckerOptimizer` finds the model's layers through their adapters
-(`singd_curvlinops.layers`), resolves each into a `Layer` record when its
-parameter group is registered, lets a `StatisticsCollector` hook them, and steps
-them with a factor rule (`singd_curvlinops.rules`): every `T` steps the rule
-updates the layer's factors from the collected statistics, every step the
-preconditioned gradient \(P_C \Gamma P_K\) goes through `update.parameter_step`
-(momentum, weight decay). AMP (skipped steps, gradient scales), data parallelism
-(`singd_curvlinops.distributed`) and checkpoints (`singd_curvlinops.checkpoint`)
-are handled here, for any rule and any layer type. All state is plain tensors in
-`self.state`: per layer under its weight (the rule's factors, `"step"`,
-`"grad_scale"`), per parameter its `"momentum_buffer"`.
+(`singd_curvlinops.layers`), resolves them into `Layer` records when their
+parameter groups are registered (all groups of the constructor together, so a
+layer's weight and bias may sit in different groups), lets a
+`StatisticsCollector` hook them, and steps them with a factor rule
+(`singd_curvlinops.rules`): every `T` steps the rule updates the layer's factors
+from the collected statistics, every step the preconditioned gradient
+\(P_C \Gamma P_K\) goes through `parameter_update` (grafting, then momentum and
+weight decay per parameter). Every other trainable parameter of the groups goes
+to its group's fallback rule (AdamW or SGD, `rules.fallback`). AMP (skipped
+steps, gradient scales), data parallelism (`singd_curvlinops.distributed`) and
+checkpoints (`singd_curvlinops.checkpoint`) are handled here, for any rule and any
+layer type. All state is plain tensors in `self.state`: per layer under its first
+parameter (the rule's factors, `"step"`, `"grad_scale"`), per layer parameter its
+`"momentum_buffer"`, per fallback parameter its rule's state.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -26,16 +29,18 @@ from torch.nn import Module, Parameter
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
-from singd_curvlinops import _curvlinops, checkpoint, distributed
+from singd_curvlinops import _curvlinops, checkpoint, distributed, parameter_update
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
+from singd_curvlinops.copies import CopiesWithModel
+from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.layers import Layer, supported_layers
-from singd_curvlinops.layers.layer_set import LayerSet, default_params
+from singd_curvlinops.layers.layer_set import LayerSet
+from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.update import parameter_step
 
 
-class KroneckerOptimizer(Optimizer):
+class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
     """Kronecker-factored preconditioning of a model's layers (the shared shell).
 
     Use its front doors `SINGD` and `KFAC`; the shell never knows which rule or
@@ -43,7 +48,8 @@ class KroneckerOptimizer(Optimizer):
 
     Args:
         model: The network whose supported layers are preconditioned.
-        params: Parameters or parameter groups (None: all supported layers).
+        params: Parameters or parameter groups (None: every trainable parameter,
+            or only those of supported layers if the default `fallback` is None).
         defaults: Default options of the parameter groups.
         rule: The factor rule.
         warn_unsupported: Warn about parameters that no adapter owns.
@@ -52,10 +58,20 @@ class KroneckerOptimizer(Optimizer):
     Raises:
         TypeError: If `model` is not a module.
         ValueError: If an option is out of range, `init_grad_scale` is not
-            positive, or the model has no supported layer.
+            positive, or the model (or `params`) has no supported layer.
     """
 
-    _step_supports_amp_scaling = True  # `step` unscales gradients and statistics
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether `step` unscales gradients and statistics itself (for `GradScaler`).
+
+        True, so that a `GradScaler` hands over scaled gradients and their scale;
+        False while `step` runs a closure that no `GradScaler` drives, so that a
+        framework that clips gradients inside the closure (Lightning with
+        `precision="bf16-mixed"`, which has no scaler) sees an optimizer whose
+        gradients it may clip.
+        """
+        return not self.__dict__.get("_closure_without_scaler", False)
 
     def __init__(
         self,
@@ -88,79 +104,48 @@ class KroneckerOptimizer(Optimizer):
             )
         self._collector = StatisticsCollector(self._collection_plan)
         self._preconditioners: dict[Layer, Preconditioner] = {}
+        self._fallback: set[Parameter] = set()
         self._exchange = distributed.StatisticsExchange()
         self._init_grad_scale = float(init_grad_scale)
         if params is None:
-            params = self._default_params(warn_unsupported)
+            params = self._default_params(warn_unsupported, defaults["fallback"])
+        self._registered = 0  # groups resolved into layers so far
+        self._constructing = True
         super().__init__(params, defaults)
-
-    # ------------------------------------------------------------ construction
-    def _default_params(self, warn_unsupported: bool) -> list[Parameter]:
-        """Return the parameters of the supported layers; warn about the others.
-
-        Args:
-            warn_unsupported: Whether to warn about left-out parameters.
-
-        Returns:
-            The weights and biases of the supported layers.
-        """
-        params, left_out = default_params(self._layers.model, self._layers.candidates)
-        if left_out and warn_unsupported:
-            warn(
-                f"{type(self).__name__} leaves out the parameters of unsupported "
-                f"layers (optimize them with another optimizer): {', '.join(left_out)}."
+        self._constructing = False
+        self._register()  # the constructor's groups together
+        if not len(self._layers):
+            raise ValueError(
+                "The given parameters do not belong to a supported layer "
+                f"({supported_layers()}) of the model: there is nothing to "
+                "precondition."
             )
-        return params
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group; its layers get hooks and are trained from now on.
-
-        Args:
-            param_group: As for any `torch.optim.Optimizer`; the options may be
-                given per group.
-
-        Raises:
-            ValueError: If a parameter does not belong to a supported layer of the
-                model, a layer's weight and bias are in different groups, or an
-                option is out of range.
-            TypeError: If an option has the wrong type.
-        """
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._rule.check_group(group)
-            layers = self._layers.add_group(group["params"], len(self.param_groups) - 1)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
-        for layer in layers:
-            self._collector.attach(layer)
-            self._init_state(layer, group)  # eager: state_dict() is complete
-
-    def _init_state(self, layer: Layer, group: dict[str, Any]) -> None:
-        """Create a layer's state: the rule's factors, counters, momentum buffers.
-
-        Args:
-            layer: The layer.
-            group: Its parameter group.
-        """
-        state = self.state[layer.weight]
-        dtypes = layer.factor_dtypes(group)
-        state.update(
-            self._rule.init_state(group, layer.dims, dtypes, layer.weight.device)
-        )
-        state["step"] = 0
-        # scale of the output gradients expected in the next backward pass
-        state["grad_scale"] = self._init_grad_scale
-        for param in layer.params:  # every parameter has state (as DCP expects);
-            # a zero buffer makes the first momentum step the step itself
-            self.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
     # ------------------------------------------------------------ read-only
     @property
     def layers(self) -> tuple[Layer, ...]:
         """The preconditioned layers, in the order of their parameter groups."""
         return tuple(self._layers)
+
+    @property
+    def fallback_params(self) -> tuple[Parameter, ...]:
+        """The parameters that the fallback rules train, in group order."""
+        return tuple(p for _, p in self._fallback_params(self.param_groups))
+
+    def describe(self) -> OptimizerSummary:
+        """Return which parameters go to which rule and structure, with state bytes.
+
+        Returns:
+            A summary; `print(optimizer.describe())` shows it as a table.
+        """
+        return summarize(
+            type(self).__name__,
+            self.layers,
+            self._fallback_params(self.param_groups),
+            self.state,
+            label=lambda layer: self._rule.label(self.param_groups[layer.group_index]),
+            name=self._layers.name,
+        )
 
     def preconditioner(self, layer: Layer | Module) -> Preconditioner:
         """Return a layer's current preconditioner (cached until its factors change).
@@ -174,8 +159,8 @@ class KroneckerOptimizer(Optimizer):
         layer = self._layers.find(layer)
         cached = self._preconditioners.get(layer)
         if cached is None:
-            group = self.param_groups[layer.group_index]
-            cached = self._rule.preconditioner(self.state[layer.weight], group)
+            options = layer.options(self.param_groups[layer.group_index])
+            cached = self._rule.preconditioner(self.state[layer.weight], options)
             self._preconditioners[layer] = cached
         return cached
 
@@ -198,12 +183,16 @@ class KroneckerOptimizer(Optimizer):
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
         preconditioner = self.preconditioner(layer)
+        transposed = None
+        if layer.twin is not None:
+            transposed = partial(self._rule.project, preconditioner.transposed())
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],
             dtypes=layer.factor_dtypes(group),
             grad_scale=state["grad_scale"],
             project=partial(self._rule.project, preconditioner),
+            project_transposed=transposed,
         )
 
     # --------------------------------------------------------------- curvature
@@ -252,9 +241,14 @@ class KroneckerOptimizer(Optimizer):
         """
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            self._closure_without_scaler = getattr(self, "grad_scale", None) is None
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._closure_without_scaler = False
         layers = self._layers.active(self.param_groups)
+        fallback = list(self._fallback_params(self.param_groups))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         current_scale = (
             float(grad_scale)
@@ -262,16 +256,16 @@ class KroneckerOptimizer(Optimizer):
             else self.__dict__.pop("_current_grad_scale", None)
         )
         if distributed.world_size() > 1:
-            due = [layer for layer in layers if self._due(layer)]
+            keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
             self._exchange(
                 self._collector.pending,
-                layers,
-                due,
+                keys,
+                [key for key in keys if self._due(key)],
                 groups=self.param_groups,
                 state=self.state,
                 rule=self._rule,
             )
-        if not self._all_finite(layers):
+        if not self._all_finite(layers, [p for _, p in fallback]):
             self._skip_step(layers, current_scale)
             return loss
         for layer in layers:
@@ -279,13 +273,30 @@ class KroneckerOptimizer(Optimizer):
             statistics_scale = current_scale or state["grad_scale"]
             self._step_layer(layer, grad_scale, statistics_scale)
             state["grad_scale"] = statistics_scale
+        parameter_update.step_fallback(
+            [(p, group) for group, p in fallback], self.state, grad_scale
+        )
         return loss
 
-    def _all_finite(self, layers: list[Layer]) -> bool:
+    def _fallback_params(
+        self, groups: list[dict[str, Any]]
+    ) -> list[tuple[dict[str, Any], Parameter]]:
+        """Return the fallback parameters of the current groups, with their group.
+
+        Args:
+            groups: The optimizer's parameter groups.
+
+        Returns:
+            `(group, parameter)` pairs in group order.
+        """
+        return [(g, p) for g in groups for p in g["params"] if p in self._fallback]
+
+    def _all_finite(self, layers: list[Layer], others: list[Parameter]) -> bool:
         """Check gradients and pending statistics for infinities and NaNs.
 
         Args:
             layers: The layers of this step.
+            others: The fallback parameters of this step.
 
         Returns:
             Whether every gradient (unless a `GradScaler` checked them) and every
@@ -296,9 +307,8 @@ class KroneckerOptimizer(Optimizer):
             return False
         gradients = []
         if found_inf is None:  # a GradScaler has checked the gradients already
-            gradients = [
-                p.grad for layer in layers for p in layer.params if p.grad is not None
-            ]
+            params = [p for layer in layers for p in layer.params] + others
+            gradients = [p.grad for p in params if p.grad is not None]
         return self._collector.all_finite(gradients)
 
     def _skip_step(self, layers: list[Layer], current_scale: float | None) -> None:
@@ -332,25 +342,22 @@ class KroneckerOptimizer(Optimizer):
         if self._due(layer):
             taken = self._collector.take(layer, group["loss_average"], statistics_scale)
             if taken is not None:
-                self._rule.update(state, group, taken, self.preconditioner(layer))
+                options = layer.options(group)
+                self._rule.update(state, options, taken, self.preconditioner(layer))
                 self._preconditioners.pop(layer, None)
         else:
             self._collector.discard(layer)
         state["step"] += 1
-        grad = layer.adapter.gradient_matrix(layer.params)
+        grad = layer.gradient_matrix()
         if grad is None:
             return
         if grad_scale is not None:
             grad.div_(grad_scale.to(grad.dtype))
+        norm = parameter_update.graft_norm(grad, state, group)
         direction = self.preconditioner(layer).apply(grad, overwrite=True)
-        parameter_step(
-            layer.params,
-            layer.adapter.from_matrix(direction, layer.params),
-            [self.state[p]["momentum_buffer"] for p in layer.params],
-            lr=group["lr"],
-            momentum=group["momentum"],
-            weight_decay=group["weight_decay"],
-        )
+        if norm is not None:
+            parameter_update.rescale(direction, norm)
+        parameter_update.step_layer(layer, direction, self.param_groups, self.state)
 
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.
@@ -393,54 +400,3 @@ class KroneckerOptimizer(Optimizer):
         checkpoint.restore_factors(self.state, factors)
         self._collector.clear()
         self._preconditioners.clear()
-
-    # ------------------------------------------------------------------ copies
-    def __deepcopy__(self, memo: dict[int, Any]) -> KroneckerOptimizer:
-        """Copy the optimizer together with its model: `deepcopy((model, opt))`.
-
-        Args:
-            memo: `copy.deepcopy`'s memo, which must hold the model's copy.
-
-        Returns:
-            An optimizer of the copied model's layers, with a copy of the state.
-
-        Raises:
-            TypeError: If the model was not copied first (the copy's hooks would
-                sit on the original model).
-        """
-        if id(self._layers.model) not in memo:
-            raise TypeError(self._copy_message())
-        twin = object.__new__(type(self))
-        memo[id(self)] = twin
-        skip = ("_collector", "_preconditioners")
-        for key, value in self.__dict__.items():
-            if key not in skip:
-                twin.__dict__[key] = copy.deepcopy(value, memo)
-        twin._preconditioners = {}
-        layers = {layer: copy.deepcopy(layer, memo) for layer in self._layers}
-        twin._collector = self._collector.copy_to(layers, twin._collection_plan, memo)
-        return twin
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        """Refuse pickling and shallow copies: save `state_dict()` instead.
-
-        Args:
-            protocol: The pickle protocol.
-
-        Raises:
-            TypeError: Always.
-        """
-        raise TypeError(self._copy_message())
-
-    def _copy_message(self) -> str:
-        """Return the message for refused copies.
-
-        Returns:
-            What to do instead.
-        """
-        return (
-            f"A {type(self).__name__} optimizer cannot be pickled or copied on its "
-            "own: its hooks sit on the model. Save and load optimizer.state_dict() "
-            "(with the model's), or copy both at once: "
-            "copy.deepcopy((model, optimizer))."
-        )

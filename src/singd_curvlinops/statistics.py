@@ -38,6 +38,7 @@ This module knows no layer type.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -50,6 +51,55 @@ from torch.nn import Conv2d
 LossAverage = Literal["batch", "batch+sequence"] | None
 LOSS_AVERAGES: tuple[LossAverage, ...] = (None, "batch", "batch+sequence")
 KFAC_APPROXES: tuple[str, ...] = tuple(kind.value for kind in KFACType)
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    r"""Rows \(a\) with few non-zero entries, e.g. one-hot inputs of an embedding.
+
+    Only the non-zero entries are kept, as `(columns[j], values[j])`, without their
+    row (no row has two entries in one column). The rows are never materialised:
+    the only product the optimizers need is the diagonal of
+    \(a^\top a\), \(\sum_j \text{values}_j^2 e_{\text{columns}_j}\)
+    (`gram_diagonal`, one scatter-add), which is all of \(a^\top a\) when every row
+    has a single entry (one-hot rows).
+
+    Attributes:
+        columns: Column of each entry, `[nnz]` (int64).
+        values: Value of each entry, `[nnz]`.
+        dim: Number of columns \(d\).
+        num_rows: Number of rows.
+    """
+
+    columns: Tensor
+    values: Tensor
+    dim: int
+    num_rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(num_rows, dim)`, as for a dense row matrix."""
+        return (self.num_rows, self.dim)
+
+    def gram_diagonal(self) -> Tensor:
+        r"""Return the diagonal of \(a^\top a\), `[dim]`.
+
+        Returns:
+            \(\sum_j \text{values}_j^2\) per column, in the dtype of `values`.
+        """
+        squares = self.values.square()
+        return squares.new_zeros(self.dim).index_add_(0, self.columns, squares)
+
+    def to(self, dtype: torch.dtype) -> SparseRows:
+        """Return the rows with values of another dtype.
+
+        Args:
+            dtype: The new dtype.
+
+        Returns:
+            A `SparseRows` sharing `columns`.
+        """
+        return SparseRows(self.columns, self.values.to(dtype), self.dim, self.num_rows)
 
 
 def conv_patches(x: Tensor, module: Conv2d, kfac_approx: str) -> Tensor:

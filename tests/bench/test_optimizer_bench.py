@@ -26,6 +26,7 @@ RECORD_KEYS = {
     "final_loss",
     "vs_adamw",
     "vs_reference",
+    "preconditioned",
 }
 
 
@@ -94,6 +95,10 @@ def test_benchmark_reports_all_configurations(tmp_path, capsys):
         "KFAC T=1",
         "KFAC T=2",
     }
+    # the share of the parameters in Kronecker layers (all of these tiny models')
+    for r in records:
+        expected = 1.0 if r["kind"] in ("ours", "kfac") else None
+        assert r["preconditioned"] == expected, r["label"]
     # KFAC caches its damped inverses, SGD nothing
     assert all(r["cache_mib"] > 0 for r in records if r["kind"] == "kfac")
     assert all(r["cache_mib"] == 0 for r in records if r["label"] == "SGD")

@@ -172,8 +172,7 @@ class _Mixed(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
 
-UNSUPPORTED = [
-    "emb.weight",
+UNSUPPORTED = [  # with fallback=None (an Embedding is a supported layer)
     "bn.weight",
     "bn.bias",
     "circular.weight",
@@ -187,11 +186,17 @@ UNSUPPORTED = [
     [
         nn.Sequential(nn.ReLU()),
         nn.Sequential(),
-        nn.Sequential(nn.Embedding(4, 2), nn.LayerNorm(2)),
+        nn.Sequential(nn.Embedding(4, 2, max_norm=1.0), nn.LayerNorm(2)),
         nn.Sequential(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")),
         nn.Sequential(nn.Linear(2, 2).requires_grad_(False)),
     ],
-    ids=["relu", "empty", "embedding-layernorm", "reflect-conv", "frozen-linear"],
+    ids=[
+        "relu",
+        "empty",
+        "maxnorm-embedding-layernorm",
+        "reflect-conv",
+        "frozen-linear",
+    ],
 )
 def test_model_without_supported_layer(model):
     with pytest.raises(
@@ -214,7 +219,7 @@ def test_foreign_parameters_raise():
         match=r"1 parameter\(s\) of shapes \[\(3,\)\] do not belong to a supported "
         r"layer",
     ):
-        SINGD(model, params=[*model.parameters(), stranger])
+        SINGD(model, params=[*model.parameters(), stranger], fallback=None)
 
 
 def test_unsupported_layer_parameters_raise():
@@ -222,7 +227,11 @@ def test_unsupported_layer_parameters_raise():
     with pytest.raises(
         ValueError, match=r"2 parameter\(s\) of shapes \[\(4,\), \(4,\)\] do not belong"
     ):
-        SINGD(model, params=[*model.lin.parameters(), *model.bn.parameters()])
+        SINGD(
+            model,
+            params=[*model.lin.parameters(), *model.bn.parameters()],
+            fallback=None,
+        )
 
 
 def test_parameters_of_another_model_raise():
@@ -230,18 +239,13 @@ def test_parameters_of_another_model_raise():
         SINGD(_model(), params=_model().parameters())
 
 
-@pytest.mark.parametrize(
-    "split",
-    ["groups", "bias-missing", "weight-missing"],
-)
+# (weight and bias in different groups of the constructor are accepted since
+# issue 13: tests/optimizer/test_param_groups_split.py)
+@pytest.mark.parametrize("split", ["bias-missing", "weight-missing"])
 def test_weight_and_bias_split(split):
     model = _model()
     first, second = model[0], model[2]
     params = {
-        "groups": [
-            {"params": [first.weight, *second.parameters()]},
-            {"params": [first.bias], "lr": 0.1},
-        ],
         "bias-missing": [first.weight, *second.parameters()],
         "weight-missing": [first.bias, *second.parameters()],
     }[split]
@@ -255,7 +259,7 @@ def test_weight_and_bias_split(split):
 def test_unsupported_parameters_warn_once_naming_them():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        opt = SINGD(_Mixed())
+        opt = SINGD(_Mixed(), fallback=None)
     messages = [str(w.message) for w in record if w.category is UserWarning]
     assert len(messages) == 1, messages
     for name in UNSUPPORTED:
@@ -263,14 +267,14 @@ def test_unsupported_parameters_warn_once_naming_them():
     assert "frozen" not in messages[0]
     assert "lin." not in messages[0]
     assert record[0].filename == __file__  # points at the caller
-    assert len(opt.param_groups[0]["params"]) == 2
+    assert len(opt.param_groups[0]["params"]) == 3  # lin.weight, lin.bias, emb
 
 
 def test_unsupported_parameters_no_warning_when_disabled():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = SINGD(_Mixed(), warn_unsupported=False)
-    assert len(opt.param_groups[0]["params"]) == 2
+        opt = SINGD(_Mixed(), warn_unsupported=False, fallback=None)
+    assert len(opt.param_groups[0]["params"]) == 3
 
 
 def test_no_warning_when_every_parameter_is_supported():

@@ -134,10 +134,24 @@ def measure(
                 "state_mib": state_bytes(optimizer) / MIB,
                 "cache_mib": cache_bytes(optimizer) / MIB,
                 "final_loss": evaluate_loss(model, workload.inputs, workload.targets),
+                "preconditioned": _preconditioned_share(optimizer),
             }
         )
     _add_ratios(records)
     return records
+
+
+def _preconditioned_share(optimizer: Any) -> float | None:
+    """Return the share of the parameters that a Kronecker optimizer preconditions.
+
+    Args:
+        optimizer: Any optimizer.
+
+    Returns:
+        `describe().preconditioned_share` for ours, else None.
+    """
+    describe = getattr(optimizer, "describe", None)
+    return None if describe is None else describe().preconditioned_share
 
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:

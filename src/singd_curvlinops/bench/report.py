@@ -12,6 +12,7 @@ COLUMNS = (
     "step peak MiB",
     "state MiB",
     "final loss",
+    "preconditioned",
 )
 
 
@@ -56,6 +57,7 @@ def markdown_table(records: list[dict[str, Any]], model: str) -> str:
     for record in records:
         if record["model"] != model:
             continue
+        share = record.get("preconditioned")
         cells = [
             record["label"],
             _format_ms(record["ms_per_step"]),
@@ -64,6 +66,7 @@ def markdown_table(records: list[dict[str, Any]], model: str) -> str:
             f"{record['step_peak_mib']:.3g}",
             f"{record['state_mib']:.3g}",
             f"{record['final_loss']:.4g}",
+            "—" if share is None else f"{share:.1%}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -97,7 +100,9 @@ def preamble(
         f"{rounds} blocks of {steps_per_block} steps (zero_grad + forward + backward"
         f" + step), {warmup} warm-up steps, all configurations interleaved; "
         f"reference: {reference_text}. `× AdamW` and `ours / ref` are ratios of "
-        "ms/step (`ours / ref` > 1: ours is slower). `step peak MiB`: the most "
+        "ms/step (`ours / ref` > 1: ours is slower). `preconditioned`: the share "
+        "of the parameters in Kronecker layers (the rest: the AdamW fallback). "
+        "`step peak MiB`: the most "
         "memory one step allocates and holds at once (torch.profiler, largest over "
         "T steps); `state MiB`: the tensors in the optimizer's state; `final loss` "
         "on the fixed batch after all steps."

@@ -1,7 +1,9 @@
 """The benchmark's models, their fixed mini-batches, and one training step.
 
 Every workload is seeded, runs in float32 on the CPU, and is trained with the mean
-cross-entropy over all its targets.
+cross-entropy over all its targets. `vit` and `gpt` are whole models: besides
+their Kronecker layers they hold parameters that the fallback rule trains (norms,
+positional embeddings, the class token); `vit` needs `timm`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-MODELS = ("mlp", "cnn", "seq")
+MODELS = ("mlp", "cnn", "seq", "vit", "gpt")
 
 
 @dataclass
@@ -20,7 +22,7 @@ class Workload:
     """A model with its fixed mini-batch.
 
     Attributes:
-        name: `"mlp"`, `"cnn"` or `"seq"`.
+        name: One of `MODELS`.
         model: The network (float32, seeded initial weights).
         inputs: The mini-batch's inputs.
         targets: The class labels, one per example (and token for `"seq"`).
@@ -40,8 +42,11 @@ def build_workload(name: str, seed: int = 0) -> Workload:
     Args:
         name: `"mlp"` (784-512-512-10, batch 128), `"cnn"` (three 3x3 convolutions
             with stride 2 on 3x32x32 images, 3-16-32-64 channels, then a linear
-            layer 1024-10, batch 64) or `"seq"` (per-token MLP 256-256-256-10 on
-            `[16, 64, 256]` tokens).
+            layer 1024-10, batch 64), `"seq"` (per-token MLP 256-256-256-10 on
+            `[16, 64, 256]` tokens), `"vit"` (timm's `vit_tiny_patch16_224` at
+            `img_size=32`, `patch_size=4`, 10 classes, batch 32) or `"gpt"`
+            (`CausalTransformer`: 2 pre-norm blocks of width 128, 4 heads,
+            vocabulary 512, tied embedding, next-token loss on `[16, 64]` tokens).
         seed: Seed of the weights and the data.
 
     Returns:
@@ -86,7 +91,97 @@ def build_workload(name: str, seed: int = 0) -> Workload:
         )
         inputs, targets = torch.randn(16, 64, 256), torch.randint(10, (16, 64))
         return Workload(name, model, inputs, targets, "batch+sequence")
+    if name in ("vit", "gpt"):
+        return _whole_model_workload(name)
     raise ValueError(f"Unknown model {name!r}; choose from {', '.join(MODELS)}.")
+
+
+def _whole_model_workload(name: str) -> Workload:
+    """Build the `vit` or `gpt` workload (seeded by the caller).
+
+    Args:
+        name: `"vit"` or `"gpt"`.
+
+    Returns:
+        The workload.
+    """
+    if name == "vit":
+        model = _vit()
+        inputs, targets = torch.randn(32, 3, 32, 32), torch.randint(10, (32,))
+        return Workload(name, model, inputs, targets, "batch")
+    model = CausalTransformer()
+    tokens = torch.randint(model.vocabulary, (16, 65))
+    return Workload(name, model, tokens[:, :-1], tokens[:, 1:], "batch+sequence")
+
+
+def _vit() -> nn.Module:
+    """Return timm's ViT-Tiny for 32x32 images (patches of 4x4, 10 classes).
+
+    Returns:
+        The model, randomly initialised.
+
+    Raises:
+        ImportError: If timm is not installed.
+    """
+    try:
+        import timm
+    except ImportError as error:
+        raise ImportError("The vit workload needs timm: pip install timm.") from error
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=4,
+        num_classes=10,
+    )
+
+
+class CausalTransformer(nn.Module):
+    """A small GPT: token and position embeddings, pre-norm blocks, tied read-out.
+
+    Args:
+        vocabulary: Number of tokens.
+        width: Model width.
+        layers: Number of blocks (`nn.TransformerEncoderLayer` with a causal mask).
+        heads: Attention heads.
+        length: Longest sequence.
+    """
+
+    def __init__(
+        self,
+        vocabulary: int = 512,
+        width: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        length: int = 64,
+    ) -> None:
+        super().__init__()
+        self.vocabulary = vocabulary
+        self.embed = nn.Embedding(vocabulary, width)
+        self.position = nn.Parameter(torch.zeros(length, width))
+        nn.init.normal_(self.position, std=0.02)
+        block = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Return next-token logits.
+
+        Args:
+            tokens: `[batch, length]`.
+
+        Returns:
+            `[batch, length, vocabulary]`.
+        """
+        length = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        hidden = self.embed(tokens) + self.position[:length]
+        hidden = self.blocks(hidden, mask=mask, is_causal=True)
+        return self.head(self.norm(hidden))
 
 
 def train_step(

@@ -19,12 +19,19 @@ The defaults fit a weight `[d_out, ...]` whose trailing dimensions flatten into
 \(d_\text{in}\), an optional `bias` attribute, and a `[batch, ..., d_in]` input:
 `torch.nn.Linear` needs nothing else. Adapters see modules and tensors, never
 factors or optimizer state; register new ones with `register_layer`.
+
+A module may hold several linear maps (*slots*): `torch.nn.MultiheadAttention`
+has an input and an output projection. `slots` names them, `forward_uses` says
+which input and output tensor each application of a slot in one forward call has
+(a `Use`), and `submodules` names the child modules whose parameters the adapter
+handles itself. The defaults describe one slot, named `""`, applied once per call.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +39,48 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from singd_curvlinops import statistics
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    r"""One linear map of a module: \(y = W x + b\) with a weight, a bias or both.
+
+    Attributes:
+        name: The slot's name within its module (`""` for single-slot modules).
+        weight: Its weight, or None (a slot that only adds a bias).
+        bias: Its bias `[d_out]`, or None.
+        transposed: Whether the weight is stored `[d_in, d_out]` (as an embedding
+            table or Hugging Face's `Conv1D`) instead of `[d_out, d_in]`. Two slots
+            that share a weight in opposite layouts use it in opposite orientations.
+        one_hot: Whether the slot's inputs are one-hot rows (`SparseRows`): its
+            input factor is exactly diagonal and is stored as a diagonal.
+    """
+
+    name: str
+    weight: Parameter | None
+    bias: Parameter | None
+    transposed: bool = False
+    one_hot: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Use:
+    """One application of a slot in a forward call.
+
+    Attributes:
+        slot: The slot's name.
+        x: Its input, batch (example) dimension first, in the adapter's layout.
+        output: The tensor whose gradient is the slot's output gradient.
+        out_rows: Which of the slot's output features `output` holds (None: all),
+            e.g. the query rows of a packed attention projection.
+        batch_dim: The batch dimension of `output` (and of its gradient).
+    """
+
+    slot: str
+    x: Any
+    output: Tensor
+    out_rows: slice | None = None
+    batch_dim: int = 0
 
 
 class LayerAdapter(ABC):
@@ -42,9 +91,16 @@ class LayerAdapter(ABC):
     Attributes:
         description: The layer type as users know it, for messages, e.g.
             `"torch.nn.Linear"`.
+        transposed: Whether the default slot's weight is stored `[d_in, d_out]`.
+        one_hot: Whether the default slot's inputs are one-hot rows.
+        needs_before_forward: Whether `before_forward` must run before each
+            collecting forward call.
     """
 
     description: str = ""
+    transposed: bool = False  # the default slot's weight is stored [d_in, d_out]
+    one_hot: bool = False  # the default slot's inputs are one-hot rows
+    needs_before_forward: bool = False  # whether to call `before_forward`
 
     @abstractmethod
     def matches(self, module: Module) -> bool:
@@ -169,6 +225,134 @@ class LayerAdapter(ABC):
             return matrix.clone()  # a view of the weight's gradient
         return matrix
 
+    # ------------------------------------------------------------------ slots
+    def slots(self, module: Module) -> tuple[Slot, ...]:
+        """Return the linear maps of `module`.
+
+        Args:
+            module: A matching layer.
+
+        Returns:
+            One slot named `""` with `weight(module)` and `bias(module)`.
+        """
+        return (
+            Slot(
+                "",
+                self.weight(module),
+                self.bias(module),
+                transposed=self.transposed,
+                one_hot=self.one_hot,
+            ),
+        )
+
+    def submodules(self, module: Module) -> tuple[Module, ...]:
+        """Return child modules whose parameters this adapter handles with `module`.
+
+        They are not matched on their own (e.g. the output projection of an
+        attention module, which the module applies functionally).
+
+        Args:
+            module: A matching layer.
+
+        Returns:
+            The children; none by default.
+        """
+        return ()
+
+    def slot_dims(self, module: Module, slot: Slot) -> tuple[int, int]:
+        """Return `(d_in, d_out)` of a slot, without a bias column.
+
+        Args:
+            module: A matching layer.
+            slot: One of `slots(module)`.
+
+        Returns:
+            `dims(module)` less the bias column.
+        """
+        d_K, d_C = self.dims(module)
+        return d_K - int(self.bias(module) is not None), d_C
+
+    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> Any:
+        """Return what `forward_uses` needs from before the forward call, if any.
+
+        Called only if `needs_before_forward` is set, and only when the module's
+        statistics are collected in this pass.
+
+        Args:
+            module: The layer.
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+
+        Returns:
+            Anything; None by default.
+        """
+        return None
+
+    def forward_uses(
+        self,
+        module: Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        output: Any,
+        before: Any,
+    ) -> tuple[list[Use], Any]:
+        """Return the slot applications of a forward call, and a replacement output.
+
+        Called when the module's statistics are collected in this pass. An adapter
+        whose module applies a slot where no hook can reach it may recompute the
+        module's output with the applications exposed, and return that output
+        in place of the original (it must be the same function of the inputs).
+
+        Args:
+            module: The layer, after its forward call.
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+            output: The module's output.
+            before: What `before_forward` returned.
+
+        Returns:
+            The uses, and the output to return instead of `output` (None: keep).
+        """
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return [], None
+        return [Use("", self.layer_input(module, args, kwargs), output)], None
+
+    def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Any:
+        r"""Return the input rows \(a\) of one use, with the slot's bias column.
+
+        Args:
+            module: The layer.
+            use: One of the uses from `forward_uses`.
+            kfac_approx: `"expand"` or `"reduce"`.
+
+        Returns:
+            `input_rows(module, use.x, kfac_approx)` by default.
+        """
+        return self.input_rows(module, use.x, kfac_approx)
+
+    def use_gradient_rows(
+        self,
+        module: Module,
+        use: Use,
+        grad_output: Tensor,
+        kfac_approx: str,
+        loss_average: statistics.LossAverage,
+    ) -> Tensor:
+        r"""Return the output-gradient rows \(\tilde g\) of one use.
+
+        Args:
+            module: The layer.
+            use: One of the uses from `forward_uses`.
+            grad_output: Gradient w.r.t. `use.output`, batch dimension first.
+            kfac_approx: `"expand"` or `"reduce"`.
+            loss_average: `None`, `"batch"` or `"batch+sequence"`.
+
+        Returns:
+            `gradient_rows(module, grad_output, ...)` by default.
+        """
+        return self.gradient_rows(module, grad_output, kfac_approx, loss_average)
+
+    # ------------------------------------------------------------ statistics
     def layer_input(
         self, module: Module, args: tuple, kwargs: dict[str, Any]
     ) -> Tensor:

@@ -1,131 +1,22 @@
-"""From a model and parameter groups to `Layer` records: `LayerSet`.
+"""`LayerSet`: the layers of a model that an optimizer's parameter groups hold.
 
-`find_layers` asks the adapters which modules of a model they handle;
-`default_params` lists their parameters (and names the trainable ones no adapter
-owns); `resolve_group` turns a parameter group into the records of its layers,
-with clear errors for parameters of no supported layer and for layers split across
-groups. `LayerSet` keeps the result for an optimizer and finds records again.
+The set lists the model's supported slots once (`find_sites`), turns newly
+registered parameters into `Layer` records (`resolve`, with clear errors for
+layers given only in part), names the trainable parameters that no layer owns (for
+the fallback rule or the warning about left-out parameters), and finds records
+again by parameter or module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.nn import Module, Parameter
 
-from singd_curvlinops.layers.base import LayerAdapter
 from singd_curvlinops.layers.layer import Layer
-from singd_curvlinops.layers.registry import adapter_for, supported_layers
-
-
-@dataclass(frozen=True, eq=False)
-class Candidate:
-    """A supported layer of the model, before it is assigned to a group.
-
-    Attributes:
-        name: Its name in the model.
-        module: The module.
-        adapter: The adapter of its type.
-    """
-
-    name: str
-    module: Module
-    adapter: LayerAdapter
-
-    @property
-    def params(self) -> tuple[Parameter, ...]:
-        """Its parameters, weight first."""
-        return self.adapter.parameters(self.module)
-
-
-def find_layers(model: Module) -> dict[Parameter, Candidate]:
-    """Return the model's supported layers whose weight is trainable.
-
-    Args:
-        model: The network.
-
-    Returns:
-        Map from weight to candidate, in module order.
-    """
-    found: dict[Parameter, Candidate] = {}
-    for name, module in model.named_modules():
-        adapter = adapter_for(module)
-        if adapter is not None and adapter.weight(module).requires_grad:
-            found[adapter.weight(module)] = Candidate(name, module, adapter)
-    return found
-
-
-def default_params(
-    model: Module, candidates: dict[Parameter, Candidate]
-) -> tuple[list[Parameter], list[str]]:
-    """Return the supported layers' parameters and the names of all other ones.
-
-    Args:
-        model: The network.
-        candidates: From `find_layers`.
-
-    Returns:
-        The parameters of the supported layers, weight before bias, and the names
-        of the model's other trainable parameters.
-    """
-    params = [p for candidate in candidates.values() for p in candidate.params]
-    chosen = set(params)
-    left_out = [
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and p not in chosen
-    ]
-    return params, left_out
-
-
-def resolve_group(
-    candidates: dict[Parameter, Candidate], params: Sequence[Parameter], index: int
-) -> list[Layer]:
-    """Return the `Layer` records of a parameter group's layers.
-
-    Args:
-        candidates: From `find_layers`.
-        params: The group's parameters.
-        index: The group's position in `optimizer.param_groups`.
-
-    Returns:
-        The records, in the order of the group's parameters.
-
-    Raises:
-        ValueError: If a parameter is not that of a supported layer, or a layer
-            is split across groups.
-    """
-    owner = {p: weight for weight, c in candidates.items() for p in c.params}
-    foreign = [p for p in params if p not in owner]
-    if foreign:
-        raise ValueError(
-            f"{len(foreign)} parameter(s) of shapes "
-            f"{[tuple(p.shape) for p in foreign]} do not belong to a supported "
-            f"layer ({supported_layers()}) of the model; optimize them with "
-            "another optimizer."
-        )
-    in_group = set(params)
-    layers = []
-    for weight in dict.fromkeys(owner[p] for p in params):
-        candidate = candidates[weight]
-        if any(p not in in_group for p in candidate.params):
-            raise ValueError(
-                f"The weight and bias of layer {candidate.name!r} must be in the "
-                "same parameter group."
-            )
-        layers.append(
-            Layer(
-                name=candidate.name,
-                module=candidate.module,
-                adapter=candidate.adapter,
-                params=candidate.params,
-                dims=candidate.adapter.dims(candidate.module),
-                group_index=index,
-            )
-        )
-    return layers
+from singd_curvlinops.layers.registry import supported_layers
+from singd_curvlinops.layers.resolve import find_sites, resolve
 
 
 class LayerSet:
@@ -133,26 +24,80 @@ class LayerSet:
 
     Args:
         model: The network.
+
+    Attributes:
+        model: The network.
+        candidates: Its supported slots with a trainable parameter, in module
+            order (see `resolve.find_sites`).
     """
 
     def __init__(self, model: Module) -> None:
         self.model = model
-        self.candidates = find_layers(model)
+        self.candidates = [
+            site
+            for site in find_sites(model)
+            if any(p.requires_grad for p in site.params)
+        ]
+        self._names = {p: name for name, p in model.named_parameters()}
         self._layers: dict[Parameter, Layer] = {}
+        self._owned: dict[Parameter, Layer] = {}
 
-    def add_group(self, params: Sequence[Parameter], index: int) -> list[Layer]:
-        """Resolve and keep the layers of a new parameter group.
+    def default_params(self, fallback: bool) -> tuple[list[Parameter], list[str]]:
+        """Return the parameters of a default group, and the names of left-out ones.
 
         Args:
-            params: The group's parameters.
-            index: The group's position in `optimizer.param_groups`.
+            fallback: Whether parameters that no layer owns are trained by the
+                fallback rule.
 
         Returns:
-            The group's new records.
+            The parameters of the supported slots (module order, weight before
+            bias), followed with `fallback` by every other trainable parameter of
+            the model (model order); without, the names of those others.
         """
-        layers = resolve_group(self.candidates, params, index)
-        self._layers.update({layer.weight: layer for layer in layers})
-        return layers
+        owned = {
+            id(p): p for site in self.candidates for p in site.params if p.requires_grad
+        }
+        others = [p for p in self._names if p.requires_grad and id(p) not in owned]
+        if fallback:
+            return [*owned.values(), *others], []
+        return list(owned.values()), [self._names[p] for p in others]
+
+    def resolve(
+        self, batch: Mapping[Parameter, int], groups: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[Layer], list[Parameter]]:
+        """Return the layers of newly registered parameters (nothing is kept yet).
+
+        Args:
+            batch: The new parameters, each with the index of its group.
+            groups: The optimizer's parameter groups.
+
+        Returns:
+            The new layers, and the new parameters that no layer owns.
+        """
+        layers = resolve(self.candidates, batch, groups, self._names)
+        owned = {p for layer in layers for p in layer.params}
+        return layers, [p for p in batch if p not in owned]
+
+    def keep(self, layers: Sequence[Layer]) -> None:
+        """Keep resolved layers.
+
+        Args:
+            layers: From `resolve`.
+        """
+        for layer in layers:
+            self._layers[layer.weight] = layer
+            self._owned.update(dict.fromkeys(layer.params, layer))
+
+    def name(self, param: Parameter) -> str:
+        """Return a parameter's qualified name in the model.
+
+        Args:
+            param: A parameter.
+
+        Returns:
+            Its name, or its shape for a parameter outside the model.
+        """
+        return self._names.get(param, f"<parameter of shape {tuple(param.shape)}>")
 
     def __iter__(self) -> Iterator[Layer]:
         """Iterate over the kept records, in the order of their groups.
@@ -162,16 +107,35 @@ class LayerSet:
         """
         yield from self._layers.values()
 
+    def __len__(self) -> int:
+        """Return the number of kept records.
+
+        Returns:
+            The count.
+        """
+        return len(self._layers)
+
     def get(self, weight: Parameter) -> Layer | None:
-        """Return the record of a layer by its weight.
+        """Return the record of a layer by its first parameter.
 
         Args:
             weight: A parameter.
 
         Returns:
-            The record, or None if `weight` is not a kept layer's weight.
+            The record, or None if `weight` is not a kept layer's first parameter.
         """
         return self._layers.get(weight)
+
+    def owner(self, param: Parameter) -> Layer | None:
+        """Return the layer that preconditions `param`, if any.
+
+        Args:
+            param: A parameter.
+
+        Returns:
+            The record, or None.
+        """
+        return self._owned.get(param)
 
     def active(self, param_groups: Sequence[dict[str, Any]]) -> list[Layer]:
         """Return the layers of the current parameter groups, in group order.
@@ -180,7 +144,7 @@ class LayerSet:
             param_groups: The optimizer's groups (a user may remove groups).
 
         Returns:
-            The records whose weight is in a group.
+            The records whose first parameter is in a group.
         """
         return [
             self._layers[p]
@@ -210,3 +174,20 @@ class LayerSet:
                 f"optimizer ({len(matches)} found); pass one of optimizer.layers."
             )
         return matches[0]
+
+
+def unowned_message(params: Sequence[Parameter]) -> str:
+    """Return the message for parameters that no supported layer owns.
+
+    Args:
+        params: The parameters.
+
+    Returns:
+        A sentence naming their shapes and the supported layer types.
+    """
+    return (
+        f"{len(params)} parameter(s) of shapes {[tuple(p.shape) for p in params]} "
+        f"do not belong to a supported layer ({supported_layers()}) of the model; "
+        "train them with fallback='adamw' or 'sgd' in their parameter group, or "
+        "with another optimizer."
+    )

@@ -2,7 +2,8 @@
 
 `adapter_for(module)` asks the registered adapters in order, users' first (so a
 user's adapter may take over a subclass of a built-in type), then `Linear`,
-`Conv2d` and PyG's `GCNConv`. `register_layer` adds an adapter; see the docs page
+`Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D` and PyG's
+`GCNConv`. `register_layer` adds an adapter; see the docs page
 "Adding a layer type".
 """
 
@@ -10,14 +11,20 @@ from __future__ import annotations
 
 from torch.nn import Module
 
+from singd_curvlinops.layers.attention import MultiheadAttentionAdapter
 from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.conv1d import Conv1DAdapter
 from singd_curvlinops.layers.conv2d import Conv2dAdapter
+from singd_curvlinops.layers.embedding import EmbeddingAdapter
 from singd_curvlinops.layers.gcn import GCNConvAdapter
 from singd_curvlinops.layers.linear import LinearAdapter
 
 _BUILTIN: tuple[LayerAdapter, ...] = (
     LinearAdapter(),
     Conv2dAdapter(),
+    EmbeddingAdapter(),
+    MultiheadAttentionAdapter(),
+    Conv1DAdapter(),
     GCNConvAdapter(),
 )
 _USER: list[LayerAdapter] = []

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops.structures import StructuredMatrix, get_structure
+from singd_curvlinops.statistics import SparseRows
+from singd_curvlinops.structures import DiagonalMatrix, StructuredMatrix, get_structure
 from singd_curvlinops.update import precondition
 
 
@@ -43,6 +44,14 @@ class Preconditioner:
     square_roots: bool = True
     KKt: StructuredMatrix | None = None
     CCt: StructuredMatrix | None = None
+
+    def transposed(self) -> Preconditioner:
+        """Return the preconditioner of the transposed layer (sides swapped).
+
+        Returns:
+            A record with `K` and `C` (and their caches) exchanged.
+        """
+        return Preconditioner(self.C, self.K, self.square_roots, self.CCt, self.KKt)
 
     def apply(self, grad: Tensor, *, overwrite: bool = False) -> Tensor:
         r"""Return \(P_C \Gamma P_K\) for a gradient matrix \(\Gamma\), `[d_C, d_K]`.
@@ -85,6 +94,17 @@ class FactorRule(ABC):
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
+
+    def label(self, group: dict[str, Any]) -> str:
+        """Return the name of the update a group gets, for summaries.
+
+        Args:
+            group: A parameter group.
+
+        Returns:
+            E.g. `"SINGD"`.
+        """
+        return type(self).__name__.removesuffix("Rule")
 
     @abstractmethod
     def check_group(self, group: dict[str, Any]) -> None:
@@ -218,3 +238,69 @@ def store_factor(state: dict[str, Any], prefix: str, matrix: StructuredMatrix) -
     """
     for key, tensor in matrix.named_tensors():
         state[f"{prefix}.{key}"] = tensor
+
+
+def project_rows(
+    M: StructuredMatrix, rows: Tensor | SparseRows, *, overwrite: bool
+) -> StructuredMatrix:
+    r"""Return \(\Pi(M^\top a^\top a M)\) from rows \(a\), `[rows, d]`.
+
+    Sparse rows (`SparseRows`) need a diagonal \(M\) (the layer adapters make the
+    factors of one-hot inputs diagonal): then the result is
+    \(\mathrm{diag}(m^2 \odot \mathrm{diag}(a^\top a))\).
+
+    Args:
+        M: The factor \(K\) or \(C\).
+        rows: Dense rows (overwritten if `overwrite`) or sparse rows.
+        overwrite: Whether dense `rows` may be overwritten.
+
+    Returns:
+        The projection, in the structure of `M` (`_diagonal_of` raises a
+        `ValueError` for sparse rows and a factor that is not diagonal).
+    """
+    if isinstance(rows, SparseRows):
+        return DiagonalMatrix(_diagonal_of(M).square() * rows.gram_diagonal())
+    return M.from_inner_(rows.T) if overwrite else M.from_inner(rows.T)
+
+
+def gram(
+    structure: type[StructuredMatrix], rows: Tensor | SparseRows
+) -> StructuredMatrix:
+    r"""Return \(\Pi(a^\top a)\) in a structure, from dense or sparse rows.
+
+    Args:
+        structure: The structure class.
+        rows: `[rows, d]`.
+
+    Returns:
+        The projection.
+
+    Raises:
+        ValueError: For sparse rows and a structure that is not diagonal.
+    """
+    if isinstance(rows, SparseRows):
+        if not issubclass(structure, DiagonalMatrix):
+            raise ValueError(
+                f"One-hot rows need a diagonal factor, got {structure.__name__}."
+            )
+        return DiagonalMatrix(rows.gram_diagonal())
+    return structure.from_mat_inner(rows.T)
+
+
+def _diagonal_of(M: StructuredMatrix) -> Tensor:
+    """Return the diagonal of a diagonal factor.
+
+    Args:
+        M: The factor.
+
+    Returns:
+        Its diagonal.
+
+    Raises:
+        ValueError: If `M` is not diagonal.
+    """
+    if not isinstance(M, DiagonalMatrix):
+        raise ValueError(
+            f"One-hot rows need a diagonal factor, got {type(M).__name__}."
+        )
+    return M.diag

@@ -1,7 +1,9 @@
 r"""`KFACRule`: exponentially averaged dense factors and their damped inverses.
 
-Per layer the state holds dense factors \(A\) (input side, `"A.mat"`) and \(G\)
-(output side, `"G.mat"`), exponential moving averages of the statistics
+Per layer the state holds factors \(A\) (input side, `"A.mat"`) and \(G\)
+(output side, `"G.mat"`), dense, or diagonal (`"A.diag"`) where the structure
+policy's memory budget or an exactly diagonal factor (an embedding's input side)
+asks for it, exponential moving averages of the statistics
 \(U_K = a^\top a\), \(U_C\) (the first update takes the statistics as they are),
 
 \[
@@ -21,8 +23,20 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops._hyperparameters import check_common, check_number
-from singd_curvlinops.rules.base import FactorRule, FactorStatistics, Preconditioner
-from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
+from singd_curvlinops.rules.base import (
+    FactorRule,
+    FactorStatistics,
+    Preconditioner,
+    gram,
+    load_factor,
+    store_factor,
+)
+from singd_curvlinops.structures import (
+    DenseMatrix,
+    DiagonalMatrix,
+    StructuredMatrix,
+    get_structure,
+)
 from singd_curvlinops.structures._linalg import solve_dense
 
 # options of SINGD that KFAC does not have; a group that names them has them removed
@@ -30,7 +44,11 @@ _SINGD_ONLY = ("alpha1", "lr_cov", "kfac_like", "normalize_lr_cov")
 
 
 class KFACRule(FactorRule):
-    """KFAC's factors: dense exponential averages, inverted every `T` steps."""
+    """KFAC's factors: exponential averages, inverted every `T` steps.
+
+    Factors are dense or diagonal: the group's structure policy is always `"auto"`
+    (dense within the memory budget `max_dense_dim`, diagonal above).
+    """
 
     factor_sides = (("A", 0), ("G", 1))
 
@@ -38,13 +56,13 @@ class KFACRule(FactorRule):
         """Validate KFAC's options; SINGD-only options are removed."""
         for key in _SINGD_ONLY:
             group.pop(key, None)
-        group["structures"] = ("dense", "dense")  # KFAC's factors are dense
+        group["structures"] = "auto"  # dense within the budget, else diagonal
         check_common(group)
         check_number("ema_decay", group["ema_decay"], 0.0, 1.0)
 
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:
-        """Return `("dense", "dense")`: KFAC's factors are dense."""
-        return ("dense", "dense")
+        """Return the layer's structures (`"dense"` or `"diagonal"`)."""
+        return tuple(group["structures"])
 
     def init_state(
         self,
@@ -54,20 +72,20 @@ class KFACRule(FactorRule):
         device: torch.device | str,
     ) -> dict[str, Any]:
         """Return zero factors `A`, `G` and no updates."""
-        state: dict[str, Any] = {
-            f"{prefix}.mat": torch.zeros(
-                dims[side], dims[side], dtype=dtypes[side], device=device
+        state: dict[str, Any] = {}
+        for prefix, side in self.factor_sides:
+            cls = get_structure(group["structures"][side])
+            store_factor(
+                state, prefix, cls.zeros(dims[side], dtype=dtypes[side], device=device)
             )
-            for prefix, side in self.factor_sides
-        }
         state["updates"] = 0
         return state
 
     def project(
         self, preconditioner: Preconditioner, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        r"""Return the dense \(a^\top a\) and \(g^\top g\)."""
-        return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
+        r"""Return \(\Pi(a^\top a)\), \(\Pi(g^\top g)\) in the factors' structures."""
+        return gram(type(preconditioner.K), a), gram(type(preconditioner.C), g)
 
     def zero_statistics(
         self,
@@ -76,10 +94,10 @@ class KFACRule(FactorRule):
         dtypes: tuple[torch.dtype, torch.dtype],
         device: torch.device,
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        """Return dense zeros."""
+        """Return zeros in the factors' structures."""
         return tuple(
-            DenseMatrix.zeros(dim, dtype=dtype, device=device)
-            for dim, dtype in zip(dims, dtypes, strict=True)
+            get_structure(name).zeros(dim, dtype=dtype, device=device)
+            for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
         )
 
     def update(
@@ -90,13 +108,18 @@ class KFACRule(FactorRule):
         preconditioner: Preconditioner,
     ) -> None:
         r"""Average the statistics into \(A\), \(G\) (the first update: as they are)."""
+        names = group["structures"]
+        factors = [load_factor(state, p, names[side]) for p, side in self.factor_sides]
         if statistics.handed_over is not None:
-            U_K, U_C = statistics.handed_over
+            U_K, U_C = (
+                type(F).from_dense(U.to(F.dtype))
+                for F, U in zip(factors, statistics.handed_over, strict=True)
+            )
         else:
-            U_K, U_C = (M.mat for M in statistics.collected)
+            U_K, U_C = statistics.collected
         beta = group["ema_decay"] if state["updates"] else 0.0
-        for prefix, U in (("A", U_K), ("G", U_C)):
-            factor = state[f"{prefix}.mat"]
+        for factor, U in zip(factors, (U_K, U_C), strict=True):
+            # the factors' tensors are the state's: updated in place
             factor.mul_(beta).add_(U.to(factor.dtype), alpha=1.0 - beta)
         state["updates"] += 1
 
@@ -104,20 +127,45 @@ class KFACRule(FactorRule):
         self, state: dict[str, Any], group: dict[str, Any]
     ) -> Preconditioner:
         r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I)."""
+        names = group["structures"]
         inverses = []
-        for prefix, _ in self.factor_sides:
-            factor = state[f"{prefix}.mat"]
+        for prefix, side in self.factor_sides:
+            factor = load_factor(state, prefix, names[side])
             if state["updates"] == 0:
-                inverse = torch.eye(
-                    factor.shape[0], dtype=factor.dtype, device=factor.device
+                inverse = type(factor).eye(
+                    factor.dim, dtype=factor.dtype, device=factor.device
                 )
             else:
                 inverse = _damped_inverse(factor, group["damping"])
-            inverses.append(DenseMatrix(inverse))
+            inverses.append(inverse)
         return Preconditioner(*inverses, square_roots=False)
 
 
-def _damped_inverse(factor: Tensor, damping: float) -> Tensor:
+def _damped_inverse(factor: StructuredMatrix, damping: float) -> StructuredMatrix:
+    r"""Return \((F + \lambda I)^{-1}\), dense by a linear solve, diagonal entrywise.
+
+    Args:
+        factor: Symmetric positive semi-definite \(F\), dense or diagonal.
+        damping: \(\lambda\).
+
+    Returns:
+        The inverse, in the structure and dtype of `factor`.
+
+    Raises:
+        ValueError: If \(F + \lambda I\) is singular (increase `damping`).
+    """
+    if isinstance(factor, DiagonalMatrix):
+        damped = factor.diag + damping
+        if not bool((damped > 0).all()):
+            raise ValueError(
+                f"KFAC's damped factor is singular (damping={damping}); increase "
+                "damping."
+            )
+        return DiagonalMatrix(damped.reciprocal())
+    return DenseMatrix(_dense_inverse(factor.mat, damping))
+
+
+def _dense_inverse(factor: Tensor, damping: float) -> Tensor:
     r"""Return \((F + \lambda I)^{-1}\) by a linear solve (in at least float32).
 
     Args:

@@ -16,16 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops._hyperparameters import (
-    check_common,
-    check_number,
-    check_structures,
-)
+from singd_curvlinops._hyperparameters import check_common, check_number
 from singd_curvlinops.rules.base import (
     FactorRule,
     FactorStatistics,
     Preconditioner,
     load_factor,
+    project_rows,
     store_factor,
 )
 from singd_curvlinops.structures import StructuredMatrix, get_structure
@@ -59,6 +56,10 @@ class SINGDRule(FactorRule):
     factor_sides = (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
     _IDENTITY = ("K", "C")  # the momenta start at zero
 
+    def label(self, group: dict[str, Any]) -> str:
+        """Return `"IKFAC"` for `kfac_like` groups, else `"SINGD"`."""
+        return "IKFAC" if group["kfac_like"] else "SINGD"
+
     def check_group(self, group: dict[str, Any]) -> None:
         """Validate SINGD's options (`alpha1` may be None, `lr_cov` a callable)."""
         check_common(group)
@@ -67,7 +68,6 @@ class SINGDRule(FactorRule):
         lr_cov = group["lr_cov"]
         if not isinstance(lr_cov, Callable):
             check_number("lr_cov", lr_cov, 0.0)
-        group["structures"] = check_structures(group["structures"])
         for name in ("kfac_like", "normalize_lr_cov"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be a bool, got {group[name]!r}.")
@@ -98,7 +98,10 @@ class SINGDRule(FactorRule):
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return \(\Pi(K^\top a^\top a K)\) and \(\Pi(C^\top g^\top g C)\)."""
         # `a` is a buffer of ours (overwritten), `g` may be autograd's (left intact)
-        return preconditioner.K.from_inner_(a.T), preconditioner.C.from_inner(g.T)
+        return (
+            project_rows(preconditioner.K, a, overwrite=True),
+            project_rows(preconditioner.C, g, overwrite=False),
+        )
 
     def zero_statistics(
         self,

@@ -1,0 +1,75 @@
+r"""A use's rows \(a\), \(\tilde g\) in the layout of the layer it feeds.
+
+An adapter gives the rows of one application of a slot (`LayerAdapter.use_input_rows`,
+`use_gradient_rows`) with the slot's own bias column. The layer may differ: its bias
+may be frozen or another slot's (`Site.bias_column`), a use may cover only some of
+its output rows (`Use.out_rows`), and a transposed site feeds the layer's twin,
+whose output side is the layer's input side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.layers.base import Use
+from singd_curvlinops.layers.layer import Layer, Site
+from singd_curvlinops.statistics import SparseRows
+
+
+def layer_gradient_rows(g: Tensor, use: Use, layer: Layer, site: Site) -> Tensor:
+    r"""Bring a use's rows \(\tilde g\) to the width of its layer's output side.
+
+    A use of some output rows (`Use.out_rows`) has zero gradients for the others;
+    a transposed site's output side is the layer's input side, whose bias column
+    it does not use (zero).
+
+    Args:
+        g: The use's rows `[rows, d]`.
+        use: The use.
+        layer: The layer.
+        site: The use's site.
+
+    Returns:
+        `[rows, width]`.
+    """
+    width = layer.dims[0] if site.transposed else layer.dims[1]
+    if use.out_rows is None and g.shape[1] == width:
+        return g
+    rows = use.out_rows if use.out_rows is not None else slice(0, g.shape[1])
+    padded = g.new_zeros(g.shape[0], width)
+    padded[:, rows] = g
+    return padded
+
+
+def layer_input_rows(
+    site: Site, use: Use, num_rows: int, kfac_approx: str, dtype: torch.dtype
+) -> Any:
+    r"""Return a use's input rows \(a\) in its layer's layout (see `BiasColumn`).
+
+    Args:
+        site: The use's site.
+        use: The use.
+        num_rows: The number of gradient rows (for a bias-only layer).
+        kfac_approx: `"expand"` or `"reduce"`.
+        dtype: The rows' dtype.
+
+    Returns:
+        A tensor `[rows, d_K]` that the rule may overwrite, or `SparseRows`.
+    """
+    if site.bias_column == "only":  # aᵀa = 1: the mean of the constant column
+        device = use.output.device
+        return torch.full((num_rows, 1), num_rows**-0.5, dtype=dtype, device=device)
+    a = site.adapter.use_input_rows(site.module, use, kfac_approx)
+    if isinstance(a, SparseRows):
+        return a.to(dtype)
+    a = a.to(dtype)
+    if site.bias_column == "append_zero":
+        return torch.cat([a, a.new_zeros(a.shape[0], 1)], dim=1)
+    if site.bias_column == "zero":
+        a[:, -1] = 0.0
+    elif site.bias_column == "drop":
+        return a[:, :-1]
+    return a

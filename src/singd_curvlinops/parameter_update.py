@@ -1,0 +1,162 @@
+r"""Parameter updates besides the factor rule: per-parameter options, grafting.
+
+**A layer's step.** The preconditioned direction \(\Delta = P_C \Gamma P_K\) is split
+into one tensor per parameter, and each parameter takes the learning rate,
+momentum and weight decay of *its own* parameter group (`update.parameter_step`):
+a layer whose weight and bias sit in different groups (no weight decay on biases)
+is preconditioned jointly, with the weight's group's factor options, and stepped
+per parameter. A parameter without a gradient in a step (frozen, or unused) is not
+touched: no momentum, no weight decay.
+
+**Grafting** (`graft="adamw"` or `"sgd"` in the layer's group, Agarwal et al.,
+2020, as Distributed Shampoo grafts): the layer's direction is rescaled to the norm
+of the grafted optimizer's direction on the same gradient,
+
+\[
+\Delta \gets \frac{\lVert D \rVert_F}{\lVert \Delta \rVert_F}\, \Delta, \qquad
+D = \Gamma \ \text{(SGD)} \quad\text{or}\quad
+D = \hat m / (\sqrt{\hat v} + \epsilon) \ \text{(AdamW's moments of } \Gamma\text{)},
+\]
+
+before weight decay, momentum and the learning rate: SINGD picks the direction,
+the grafted optimizer the step size, layer by layer. The AdamW moments use the
+group's `fallback_betas` and `fallback_eps` and live in the layer's state as
+`"graft_exp_avg"`, `"graft_exp_avg_sq"` (layout of \(\Gamma\)).
+
+**Fallback parameters** go through their group's `FallbackRule`
+(`rules.fallback`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules.fallback import FALLBACK_RULES, adam_direction
+from singd_curvlinops.update import parameter_step
+
+
+def init_graft_state(layer: Layer, group: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Return a layer's grafting state (zero moments for AdamW grafting).
+
+    Args:
+        layer: The layer.
+        group: Its parameter group.
+
+    Returns:
+        `"graft_exp_avg"` and `"graft_exp_avg_sq"` in the layout of Gamma, or
+        nothing without AdamW grafting.
+    """
+    if group["graft"] != "adamw":
+        return {}
+    weight = layer.weight
+    zeros = torch.zeros(layer.dims[::-1], dtype=weight.dtype, device=weight.device)
+    return {"graft_exp_avg": zeros, "graft_exp_avg_sq": zeros.clone()}
+
+
+def graft_norm(
+    grad: Tensor, state: dict[str, Any], group: Mapping[str, Any]
+) -> Tensor | None:
+    r"""Return \(\lVert D \rVert_F\), the norm of the grafted direction (or None).
+
+    Args:
+        grad: The layer's \(\Gamma\), unscaled (not modified).
+        state: The layer's state (AdamW moments updated in place; `"step"`
+            already counts this step).
+        group: The layer's group.
+
+    Returns:
+        A 0-d tensor, or None without grafting.
+    """
+    graft = group["graft"]
+    if graft is None:
+        return None
+    if graft == "sgd":
+        return torch.linalg.vector_norm(grad)
+    if "graft_exp_avg" not in state:  # grafting switched on after construction
+        state["graft_exp_avg"] = torch.zeros_like(grad)
+        state["graft_exp_avg_sq"] = torch.zeros_like(grad)
+    direction = adam_direction(
+        grad,
+        state["graft_exp_avg"],
+        state["graft_exp_avg_sq"],
+        step=state["step"],
+        betas=group["fallback_betas"],
+        eps=group["fallback_eps"],
+    )
+    return torch.linalg.vector_norm(direction)
+
+
+def rescale(direction: Tensor, norm: Tensor) -> Tensor:
+    r"""Rescale `direction` in place to Frobenius norm `norm` (zero stays zero).
+
+    Args:
+        direction: \(\Delta\).
+        norm: The target norm.
+
+    Returns:
+        `direction`.
+    """
+    current = torch.linalg.vector_norm(direction)
+    tiny = torch.finfo(current.dtype).tiny
+    return direction.mul_((norm / current.clamp(min=tiny)).to(direction.dtype))
+
+
+def step_layer(
+    layer: Layer,
+    direction: Tensor,
+    groups: Sequence[Mapping[str, Any]],
+    state: Mapping[Parameter, dict[str, Any]],
+) -> None:
+    r"""Apply weight decay, momentum and learning rate per parameter of a layer.
+
+    Args:
+        layer: The layer.
+        direction: Its direction \(\Delta\), `[d_C, d_K]` (overwritten).
+        groups: The optimizer's parameter groups.
+        state: The optimizer's state (momentum buffers).
+    """
+    parts = layer.from_matrix(direction)
+    for param, part, group in zip(
+        layer.params, parts, layer.param_groups(groups), strict=True
+    ):
+        if param.grad is None:
+            continue  # frozen or unused in this step: never touched
+        parameter_step(
+            [param],
+            [part],
+            [state[param]["momentum_buffer"]],
+            lr=group["lr"],
+            momentum=group["momentum"],
+            weight_decay=group["weight_decay"],
+        )
+
+
+def step_fallback(
+    params: Iterable[tuple[Parameter, Mapping[str, Any]]],
+    state: Mapping[Parameter, dict[str, Any]],
+    grad_scale: Tensor | None,
+) -> None:
+    """Step the parameters that no layer owns with their groups' fallback rules.
+
+    Args:
+        params: Each parameter with its group.
+        state: The optimizer's state.
+        grad_scale: The gradients' scale (None: unscaled).
+    """
+    for param, group in params:
+        if param.grad is None or group["fallback"] is None:
+            continue
+        rule = FALLBACK_RULES[group["fallback"]]
+        grad = param.grad
+        if grad_scale is not None:
+            grad = grad / grad_scale.to(grad.dtype)
+        param_state = state[param]
+        if any(key not in param_state for key in rule.state_keys):
+            param_state.update(rule.init_state(param))  # the fallback changed
+        rule.step(param, grad, param_state, group)

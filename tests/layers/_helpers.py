@@ -1,0 +1,51 @@
+"""Shared pieces of the layer tests: brute-force KFAC factors and a size recorder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def kfac_factors(optimizer: Any, layer: Any) -> tuple[Tensor, Tensor]:
+    """Return a KFAC optimizer's dense `(A, G)` of a layer after one update (T=1).
+
+    The first update takes the statistics as they are: `A = U_K`, `G = U_C`.
+    """
+    state = optimizer.state[layer.weight]
+    A = state["A.mat"] if "A.mat" in state else torch.diag(state["A.diag"])
+    G = state["G.mat"] if "G.mat" in state else torch.diag(state["G.diag"])
+    return A, G
+
+
+def expand_factors(
+    inputs: list[Tensor], grads: list[Tensor], num_examples: int
+) -> tuple[Tensor, Tensor]:
+    """Brute-force curvlinops expand factors of a linear layer with several uses.
+
+    Each use contributes rows `[N, S_u, d]` (inputs with their bias column) and
+    output gradients `[N, S_u, d_out]` of a mean-over-the-batch loss; the rows of
+    all uses concatenate along the weight-sharing dimension.
+    """
+    rows = sum(x.shape[1] for x in inputs)
+    A = sum(torch.einsum("nsi,nsj->ij", x, x) for x in inputs) / (num_examples * rows)
+    G = num_examples * sum(torch.einsum("nsi,nsj->ij", g, g) for g in grads)
+    return A, G
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operation returns
+    (tensors on the meta device hold no memory and are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, Tensor) and tensor.device.type != "meta":
+                self.largest = max(self.largest, tensor.numel())
+        return out

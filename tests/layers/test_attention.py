@@ -1,0 +1,182 @@
+"""`nn.MultiheadAttention`: unchanged outputs and gradients, exact factors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from singd_curvlinops import KFAC, SINGD
+from tests.layers._helpers import expand_factors, kfac_factors
+
+E, HEADS, B, L, S = 6, 2, 3, 4, 5
+
+
+class Block(nn.Module):
+    """Attention on (query, key, value) followed by a linear read-out."""
+
+    def __init__(self, mode: str, **options) -> None:
+        super().__init__()
+        self.mode = mode
+        self.attn = nn.MultiheadAttention(E, HEADS, **options)
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, x, memory, **kwargs):
+        key = value = x if self.mode == "self" else memory
+        if self.mode == "all":
+            value = memory.flip(-2)
+        out, weights = self.attn(x, key, value, **kwargs)
+        result = self.head(out).sum()
+        return result if weights is None else result + weights.square().sum()
+
+
+def _inputs(batch_first: bool, kdim: int = E):
+    x = torch.randn(B, L, E, dtype=torch.float64)
+    memory = torch.randn(B, S, kdim, dtype=torch.float64)
+    if not batch_first:
+        x, memory = x.transpose(0, 1), memory.transpose(0, 1)
+    return x.requires_grad_(), memory.requires_grad_()
+
+
+CASES = {
+    "self": ("self", {}),
+    "self-seq-first": ("self", {"batch_first": False}),
+    "cross": ("cross", {}),
+    "all-distinct": ("all", {}),
+    "kdim": ("cross", {"kdim": 3, "vdim": 3}),
+    "kdim-seq-first-no-bias": (
+        "all",
+        {"kdim": 3, "vdim": 3, "bias": False, "batch_first": False},
+    ),
+    "bias-kv-zero-attn": ("self", {"add_bias_kv": True, "add_zero_attn": True}),
+    "dropout": ("self", {"dropout": 0.5}),
+}
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_outputs_and_gradients_equal_the_unmodified_module(case, need_weights) -> None:
+    mode, options = CASES[case]
+    options = {"batch_first": True, **options}
+    torch.manual_seed(0)
+    model = Block(mode, **options).double()
+    reference = copy.deepcopy(model)
+    optimizer = SINGD(model, T=1)  # collects in every pass
+    x, memory = _inputs(options["batch_first"], options.get("kdim", E))
+    mask = torch.zeros(B, L if mode == "self" else S, dtype=torch.bool)
+    mask[0, -1] = True
+    kwargs = {"need_weights": need_weights, "key_padding_mask": mask}
+    results = []
+    for net in (model, reference):
+        torch.manual_seed(1)  # the same dropout masks
+        out = net(x, memory, **kwargs)
+        grads = torch.autograd.grad(
+            out, [x, memory, *net.parameters()], allow_unused=True
+        )
+        results.append((out, grads))
+    (out, grads), (out_ref, grads_ref) = results
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        if g_ref is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+    assert optimizer._collector._pending, "no statistics were collected"
+    assert torch.get_rng_state().equal(_state_after(reference, x, memory, kwargs))
+
+
+def _state_after(net, x, memory, kwargs):
+    """The random state after one unhooked call from seed 1 (the replay must not
+    consume extra random numbers)."""
+    torch.manual_seed(1)
+    net(x, memory, **kwargs)
+    return torch.get_rng_state()
+
+
+def test_slots_of_separate_projections() -> None:
+    model = Block("cross", kdim=3, vdim=3, batch_first=True)
+    names = {layer.name: layer.dims for layer in SINGD(model).layers}
+    assert names == {
+        "attn.q_proj": (E, E),
+        "attn.k_proj": (3, E),
+        "attn.v_proj": (3, E),
+        "attn.in_proj_bias": (1, 3 * E),
+        "attn.out_proj": (E + 1, E),
+        "head": (E + 1, 2),
+    }
+
+
+def _manual(attn: nn.MultiheadAttention, query, key, value):
+    """Batch-first attention written out, returning every projection's tensors."""
+    W, b, d = attn.in_proj_weight, attn.in_proj_bias, E // HEADS
+    ones = lambda t: torch.cat([t, torch.ones_like(t[..., :1])], -1)  # noqa: E731
+    q, k, v = (
+        t @ W[i * E : (i + 1) * E].T + b[i * E : (i + 1) * E]
+        for i, t in enumerate((query, key, value))
+    )
+    for t in (q, k, v):
+        t.retain_grad()
+    heads = lambda t: t.unflatten(-1, (HEADS, d)).transpose(1, 2)  # noqa: E731
+    weights = torch.softmax(heads(q) @ heads(k).transpose(-1, -2) / d**0.5, -1)
+    attended = (weights @ heads(v)).transpose(1, 2).flatten(2)
+    out = attended @ attn.out_proj.weight.T + attn.out_proj.bias
+    out.retain_grad()
+    return out, (ones(query), ones(key), ones(value), ones(attended)), (q, k, v, out)
+
+
+@pytest.mark.parametrize("mode", ["self", "cross"])
+def test_projection_factors_equal_brute_force(mode) -> None:
+    """KFAC's first factors are the statistics: compare them with dense sums."""
+    torch.manual_seed(0)
+    model = Block(mode, batch_first=True).double()
+    x, memory = _inputs(True)
+    key = x if mode == "self" else memory
+    out, inputs, outputs = _manual(model.attn, x, key, key)
+    reference = model.head(out).sum()
+    reference.backward()
+    model.zero_grad()
+    optimizer = KFAC(model, T=1)
+    result = model(x, memory, need_weights=False)
+    torch.testing.assert_close(result, reference, rtol=0, atol=1e-12)
+    result.backward()
+    optimizer.step()
+    in_proj, out_proj = optimizer.layers[:2]
+    assert (in_proj.name, out_proj.name) == ("attn.in_proj", "attn.out_proj")
+    x_in, k_in, _, attended = inputs
+    q, k, v, o = outputs
+    if mode == "self":  # one packed product: rows [q k v] of one input
+        expected = expand_factors([x_in], [torch.cat([q.grad, k.grad, v.grad], -1)], B)
+    else:  # the query rows on x, the key-value rows on the memory
+        zeros = lambda t, n: torch.zeros(*t.shape[:-1], n, dtype=t.dtype)  # noqa: E731
+        g_q = torch.cat([q.grad, zeros(q, 2 * E)], -1)
+        g_kv = torch.cat([zeros(k, E), k.grad, v.grad], -1)
+        expected = expand_factors([x_in, k_in], [g_q, g_kv], B)
+    for actual, wanted in zip(kfac_factors(optimizer, in_proj), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-14)
+    expected = expand_factors([attended], [o.grad], B)
+    for actual, wanted in zip(kfac_factors(optimizer, out_proj), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-14)
+
+
+def test_transformer_encoder_trains_every_parameter() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        E, HEADS, dim_feedforward=8, batch_first=True, dropout=0.0
+    )
+    model = nn.Sequential(
+        nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(E, 2)
+    )
+    optimizer = SINGD(model, T=1, lr=0.01)
+    names = [layer.name for layer in optimizer.layers]
+    assert (
+        "0.layers.0.self_attn.in_proj" in names
+        and "0.layers.0.self_attn.out_proj" in names
+    )
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    x, y = torch.randn(4, 3, E), torch.randint(0, 2, (4,))
+    nn.functional.cross_entropy(model(x).mean(1), y).backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        assert not torch.equal(param, before[name]), name

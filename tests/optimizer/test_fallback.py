@@ -1,0 +1,183 @@
+"""The fallback rule trains every parameter that no layer owns (AdamW or SGD)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from singd_curvlinops import KFAC, SINGD
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 6),
+        nn.LayerNorm(6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def _data(step: int):
+    generator = torch.Generator().manual_seed(step)
+    X = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    return X, torch.randint(0, 3, (8,), generator=generator)
+
+
+def _norms(model):
+    return [
+        p
+        for m in model
+        if isinstance(m, (nn.LayerNorm, nn.BatchNorm1d))
+        for p in m.parameters()
+    ]
+
+
+def _linears(model):
+    return [p for m in model if isinstance(m, nn.Linear) for p in m.parameters()]
+
+
+def _train(model, optimizer, steps: int, scheduler=None):
+    for step in range(steps):
+        optimizer.zero_grad()
+        X, y = _data(step)
+        nn.functional.cross_entropy(model(X), y).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+OPTIONS = {"lr": 0.02, "fallback_lr_ratio": 0.5, "weight_decay": 0.05, "momentum": 0.5}
+
+
+@pytest.mark.parametrize("fallback", ["adamw", "sgd"])
+@pytest.mark.parametrize("cls", [SINGD, KFAC])
+def test_fallback_equals_torch_optimizer_and_follows_the_scheduler(
+    cls, fallback
+) -> None:
+    """Layers at lr=0 stay fixed, so the norms see the gradients of the reference."""
+    model, reference = _model(), _model()
+    groups = [{"params": _linears(model), "lr": 0.0}, {"params": _norms(model)}]
+    optimizer = cls(
+        model,
+        groups,
+        fallback=fallback,
+        fallback_betas=(0.8, 0.99),
+        fallback_eps=1e-6,
+        **OPTIONS,
+    )
+    lr = OPTIONS["lr"] * OPTIONS["fallback_lr_ratio"]
+    if fallback == "adamw":
+        torch_optimizer = torch.optim.AdamW(
+            _norms(reference), lr=lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05
+        )
+    else:
+        torch_optimizer = torch.optim.SGD(
+            _norms(reference), lr=lr, momentum=0.5, weight_decay=0.05
+        )
+    schedules = [
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for opt in (optimizer, torch_optimizer)
+    ]
+    _train(model, optimizer, 5, schedules[0])
+    _train(reference, torch_optimizer, 5, schedules[1])
+    for p, q in zip(_norms(model), _norms(reference), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    assert optimizer.param_groups[1]["lr"] == OPTIONS["lr"] / 4
+    for p, q in zip(_linears(model), _linears(_model()), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_default_trains_every_parameter_without_warning() -> None:
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = SINGD(model, lr=0.05)
+        before = [p.clone() for p in model.parameters()]
+        _train(model, optimizer, 1)
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert not torch.equal(p, q)
+    assert set(optimizer.fallback_params) == set(_norms(model))
+    for p in _norms(model):
+        assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_parameters_outside_the_model_go_to_the_fallback() -> None:
+    model = _model()
+    log_scale = nn.Parameter(torch.zeros((), dtype=torch.float64))
+    optimizer = SINGD(model, [{"params": model.parameters()}, {"params": [log_scale]}])
+    optimizer.zero_grad()
+    X, y = _data(0)
+    (nn.functional.cross_entropy(model(X), y) * log_scale.exp()).backward()
+    optimizer.step()
+    assert log_scale.item() != 0.0
+    assert any(p is log_scale for p in optimizer.fallback_params)
+
+
+@pytest.mark.parametrize("api", ["state_dict", "dcp"])
+def test_fallback_state_round_trip(tmp_path: Path, api: str) -> None:
+    def make(net):
+        return SINGD(net, lr=0.05, T=2)
+
+    model = _model()
+    optimizer = make(model)
+    _train(model, optimizer, 3)
+    saved_model = copy.deepcopy(model.state_dict())
+    if api == "state_dict":
+        torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+        saved = torch.load(tmp_path / "opt.pt", weights_only=True)
+    else:
+        saved = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
+    _train(model, optimizer, 3)
+    twin_model = _model()
+    twin_model.load_state_dict(saved_model)
+    twin = make(twin_model)
+    if api == "state_dict":
+        twin.load_state_dict(saved)
+    else:
+        set_optimizer_state_dict(twin_model, twin, optim_state_dict=saved)
+    for step in range(3):  # the same batches as the uninterrupted run's last three
+        twin.zero_grad()
+        X, y = _data(step)
+        nn.functional.cross_entropy(twin_model(X), y).backward()
+        twin.step()
+    for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_grad_scaler_and_closure_equal_the_plain_run() -> None:
+    model, scaled_model = _model(), _model()
+    optimizer, scaled = SINGD(model, lr=0.05, T=1), SINGD(scaled_model, lr=0.05, T=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        X, y = _data(step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+
+        def closure(X=X, y=y):
+            scaled.zero_grad()
+            loss = nn.functional.cross_entropy(scaled_model(X), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(scaled)
+            scaled.set_current_grad_scale(scaler.get_scale())
+            nn.utils.clip_grad_norm_(scaled_model.parameters(), 0.5)
+            return loss
+
+        closure()
+        scaler.step(scaled)
+        scaler.update()
+    for p, q in zip(model.parameters(), scaled_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from singd_curvlinops.distributed import DistributionStrategy
 from singd_curvlinops.rules import KFACRule
 from singd_curvlinops.shell import KroneckerOptimizer
 
@@ -58,6 +59,9 @@ class KFAC(KroneckerOptimizer):
         warn_unsupported: Warn about parameters of unsupported layers.
         preconditioner_dtype: Dtypes of \(A\) and \(G\) (None: the parameter's).
         init_grad_scale: Expected gradient scale of the first step (AMP).
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"` (each rank does all), `"shard"` (each layer's
+            owner does it) or a strategy of `singd_curvlinops.distributed`.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class KFAC(KroneckerOptimizer):
             None,
         ),
         init_grad_scale: float = 1.0,
+        distribute: str | DistributionStrategy = "replicate",
     ) -> None:
         defaults = {
             "lr": lr,
@@ -99,4 +104,5 @@ class KFAC(KroneckerOptimizer):
             rule=KFACRule(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
+            distribute=distribute,
         )

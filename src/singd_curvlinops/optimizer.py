@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from singd_curvlinops.distributed import DistributionStrategy
 from singd_curvlinops.rules import SINGDRule
 from singd_curvlinops.shell import KroneckerOptimizer
 
@@ -45,14 +46,15 @@ class SINGD(KroneckerOptimizer):
     | `normalize_lr_cov` | — | normalise \(\beta_1\) by the largest momentum entry |
     | `preconditioner_dtype` | — | dtypes of \((K, C)\); `None`: the parameter's |
     | `init_grad_scale` | — | gradient scale of the first step under AMP |
+    | `distribute` | — | `"replicate"` or `"shard"` the factor work over ranks |
 
     `alpha1=None` (the default) means 0.5 for SINGD and 0 for IKFAC
     (`kfac_like=True`): `SINGD(model, kfac_like=True)` is the paper's IKFAC. An
     explicit `alpha1 > 0` with `kfac_like=True` is honoured, a hybrid of IKFAC's
     update with Riemannian momentum.
 
-    Every option except `init_grad_scale` and `warn_unsupported` can be set per
-    parameter group. All options after `params` are keyword-only.
+    Every option except `init_grad_scale`, `warn_unsupported` and `distribute`
+    can be set per parameter group. All options after `params` are keyword-only.
 
     Args:
         model: The network whose supported layers are preconditioned.
@@ -74,6 +76,9 @@ class SINGD(KroneckerOptimizer):
         preconditioner_dtype: Dtypes of \(K\) and \(C\) (`None`: the parameter's).
         init_grad_scale: Expected gradient scale of the first step (AMP).
         normalize_lr_cov: Normalise \(\beta_1\) (see `update`).
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"` (each rank does all), `"shard"` (each layer's
+            owner does it) or a strategy of `singd_curvlinops.distributed`.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class SINGD(KroneckerOptimizer):
         ),
         init_grad_scale: float = 1.0,
         normalize_lr_cov: bool = False,
+        distribute: str | DistributionStrategy = "replicate",
     ) -> None:
         defaults = {
             "lr": lr,
@@ -122,4 +128,5 @@ class SINGD(KroneckerOptimizer):
             rule=SINGDRule(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
+            distribute=distribute,
         )

@@ -6,9 +6,11 @@ parameter group is registered, lets a `StatisticsCollector` hook them, and steps
 them with a factor rule (`singd_curvlinops.rules`): every `T` steps the rule
 updates the layer's factors from the collected statistics, every step the
 preconditioned gradient \(P_C \Gamma P_K\) goes through `update.parameter_step`
-(momentum, weight decay). AMP (skipped steps, gradient scales), data parallelism
-(`singd_curvlinops.distributed`) and checkpoints (`singd_curvlinops.checkpoint`)
-are handled here, for any rule and any layer type. All state is plain tensors in
+(momentum, weight decay). AMP (skipped steps, gradient scales) and checkpoints
+(`singd_curvlinops.checkpoint`) are handled here, for any rule and any layer
+type; a distribution strategy (`singd_curvlinops.distributed`) decides which rank
+does which layer's work, through the per-layer operations of
+`singd_curvlinops.stepping`. All state is plain tensors in
 `self.state`: per layer under its weight (the rule's factors, `"step"`,
 `"grad_scale"`), per parameter its `"momentum_buffer"`.
 """
@@ -32,7 +34,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, default_params
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.update import parameter_step
+from singd_curvlinops.stepping import LayerStepper
 
 
 class KroneckerOptimizer(Optimizer):
@@ -48,11 +50,16 @@ class KroneckerOptimizer(Optimizer):
         rule: The factor rule.
         warn_unsupported: Warn about parameters that no adapter owns.
         init_grad_scale: Expected gradient scale of the first step (AMP).
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"`, `"shard"` or a strategy object
+            (`singd_curvlinops.distributed`).
 
     Raises:
-        TypeError: If `model` is not a module.
+        TypeError: If `model` is not a module, or `distribute` neither a string
+            nor a strategy.
         ValueError: If an option is out of range, `init_grad_scale` is not
-            positive, or the model has no supported layer.
+            positive, `distribute` names no strategy, or the model has no
+            supported layer.
     """
 
     _step_supports_amp_scaling = True  # `step` unscales gradients and statistics
@@ -66,6 +73,7 @@ class KroneckerOptimizer(Optimizer):
         rule: FactorRule,
         warn_unsupported: bool,
         init_grad_scale: float,
+        distribute: str | distributed.DistributionStrategy = "replicate",
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model)}.")
@@ -86,9 +94,10 @@ class KroneckerOptimizer(Optimizer):
                 f"model has no supported layer: {type(self).__name__} preconditions "
                 f"{supported_layers()} layers."
             )
+        self._distribution = distributed.resolve(distribute)
         self._collector = StatisticsCollector(self._collection_plan)
-        self._preconditioners: dict[Layer, Preconditioner] = {}
-        self._exchange = distributed.StatisticsExchange()
+        # per layer, its preconditioners by the sides whose products they cache
+        self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
         self._init_grad_scale = float(init_grad_scale)
         if params is None:
             params = self._default_params(warn_unsupported)
@@ -171,13 +180,38 @@ class KroneckerOptimizer(Optimizer):
         Returns:
             The rule's record; do not modify its matrices.
         """
-        layer = self._layers.find(layer)
-        cached = self._preconditioners.get(layer)
-        if cached is None:
+        return self._record(self._layers.find(layer), (0, 1))
+
+    def _record(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
+        """Return a layer's cached preconditioner with products cached for `sides`.
+
+        Args:
+            layer: The layer.
+            sides: The sides this rank applies (rules that cannot split: both).
+
+        Returns:
+            The rule's record.
+        """
+        splits = self._rule.splits_sides
+        sides = sides if splits else (0, 1)
+        records = self._records.setdefault(layer, {})
+        if sides not in records:
+            self._distribution.check_holds(layer)
             group = self.param_groups[layer.group_index]
-            cached = self._rule.preconditioner(self.state[layer.weight], group)
-            self._preconditioners[layer] = cached
-        return cached
+            kwargs = {"sides": sides} if splits else {}
+            state = self.state[layer.weight]
+            records[sides] = self._rule.preconditioner(state, group, **kwargs)
+        return records[sides]
+
+    @property
+    def distribution(self) -> distributed.DistributionStrategy:
+        """The distribution strategy (`distribute=`); read-only."""
+        return self._distribution
+
+    @property
+    def rule(self) -> FactorRule:
+        """The factor rule; read-only."""
+        return self._rule
 
     @property
     def curvature_pending(self) -> bool:
@@ -197,13 +231,15 @@ class KroneckerOptimizer(Optimizer):
             return None
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
-        preconditioner = self.preconditioner(layer)
+        project = self._distribution.projection(layer) or partial(
+            self._rule.project, self._record(layer, ())
+        )
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],
             dtypes=layer.factor_dtypes(group),
             grad_scale=state["grad_scale"],
-            project=partial(self._rule.project, preconditioner),
+            project=project,
         )
 
     # --------------------------------------------------------------- curvature
@@ -261,25 +297,36 @@ class KroneckerOptimizer(Optimizer):
             if grad_scale is not None
             else self.__dict__.pop("_current_grad_scale", None)
         )
-        if distributed.world_size() > 1:
-            due = [layer for layer in layers if self._due(layer)]
-            self._exchange(
-                self._collector.pending,
-                layers,
-                due,
-                groups=self.param_groups,
-                state=self.state,
-                rule=self._rule,
-            )
+        self._distribution.exchange(
+            self._collector.pending,
+            layers,
+            groups=self.param_groups,
+            state=self.state,
+            rule=self._rule,
+        )
         if not self._all_finite(layers):
             self._skip_step(layers, current_scale)
             return loss
-        for layer in layers:
-            state = self.state[layer.weight]
-            statistics_scale = current_scale or state["grad_scale"]
-            self._step_layer(layer, grad_scale, statistics_scale)
-            state["grad_scale"] = statistics_scale
+        stepper = LayerStepper(
+            rule=self._rule,
+            collector=self._collector,
+            state=self.state,
+            groups=self.param_groups,
+            records=self._record,
+            forget=self._forget,
+            grad_scale=grad_scale,
+            current_scale=current_scale,
+        )
+        self._distribution.step(stepper, layers)
         return loss
+
+    def _forget(self, layer: Layer) -> None:
+        """Drop a layer's cached preconditioners (its factors changed).
+
+        Args:
+            layer: The layer.
+        """
+        self._records.pop(layer, None)
 
     def _all_finite(self, layers: list[Layer]) -> bool:
         """Check gradients and pending statistics for infinities and NaNs.
@@ -317,41 +364,6 @@ class KroneckerOptimizer(Optimizer):
             for layer in layers:
                 self.state[layer.weight]["grad_scale"] = current_scale
 
-    def _step_layer(
-        self, layer: Layer, grad_scale: Tensor | None, statistics_scale: float
-    ) -> None:
-        """Update one layer's factors (if due) and parameters.
-
-        Args:
-            layer: The layer.
-            grad_scale: Scale of the gradients (None: unscaled).
-            statistics_scale: Scale of the output gradients in the statistics.
-        """
-        group = self.param_groups[layer.group_index]
-        state = self.state[layer.weight]
-        if self._due(layer):
-            taken = self._collector.take(layer, group["loss_average"], statistics_scale)
-            if taken is not None:
-                self._rule.update(state, group, taken, self.preconditioner(layer))
-                self._preconditioners.pop(layer, None)
-        else:
-            self._collector.discard(layer)
-        state["step"] += 1
-        grad = layer.adapter.gradient_matrix(layer.params)
-        if grad is None:
-            return
-        if grad_scale is not None:
-            grad.div_(grad_scale.to(grad.dtype))
-        direction = self.preconditioner(layer).apply(grad, overwrite=True)
-        parameter_step(
-            layer.params,
-            layer.adapter.from_matrix(direction, layer.params),
-            [self.state[p]["momentum_buffer"] for p in layer.params],
-            lr=group["lr"],
-            momentum=group["momentum"],
-            weight_decay=group["weight_decay"],
-        )
-
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.
 
@@ -371,10 +383,17 @@ class KroneckerOptimizer(Optimizer):
         A callable `lr_cov` is replaced by a marker; `load_state_dict` restores the
         callable of the optimizer it loads into.
 
+        Under `Shard(factors="owned")` every rank must call it: it gathers the
+        factors from their owners, so that the state dictionary is complete.
+
         Returns:
             The state dictionary.
         """
-        return checkpoint.to_plain(super().state_dict())
+        layers = self._layers.active(self.param_groups)
+        with self._distribution.full_state(
+            self.state, layers, self.param_groups, self._rule
+        ):
+            return checkpoint.to_plain(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state, keeping factors in their own dtype and validating it.
@@ -392,7 +411,8 @@ class KroneckerOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         checkpoint.restore_factors(self.state, factors)
         self._collector.clear()
-        self._preconditioners.clear()
+        self._records.clear()
+        self._distribution.loaded(self.state)
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict[int, Any]) -> KroneckerOptimizer:
@@ -412,11 +432,11 @@ class KroneckerOptimizer(Optimizer):
             raise TypeError(self._copy_message())
         twin = object.__new__(type(self))
         memo[id(self)] = twin
-        skip = ("_collector", "_preconditioners")
+        skip = ("_collector", "_records")
         for key, value in self.__dict__.items():
             if key not in skip:
                 twin.__dict__[key] = copy.deepcopy(value, memo)
-        twin._preconditioners = {}
+        twin._records = {}
         layers = {layer: copy.deepcopy(layer, memo) for layer in self._layers}
         twin._collector = self._collector.copy_to(layers, twin._collection_plan, memo)
         return twin

@@ -150,19 +150,31 @@ class LayerAdapter(ABC):
             slices.append(matrix[:, d_in].reshape(*params[1].shape, *extra))
         return slices
 
-    def gradient_matrix(self, params: tuple[Parameter, ...]) -> Tensor | None:
+    def gradient_matrix(
+        self,
+        params: tuple[Parameter, ...],
+        grads: Sequence[Tensor | None] | None = None,
+    ) -> Tensor | None:
         r"""Return \(\Gamma = [\nabla W\; \nabla b]\), `[d_C, d_K]`.
 
         Args:
             params: The layer's parameters.
+            grads: Their gradients (default: each parameter's `.grad`); e.g. the
+                local row shards of FSDP2 gradients, with `params` the local
+                shards of the parameters.
 
         Returns:
             A new tensor (the caller may overwrite it), or None if the weight has
             no gradient. A missing bias gradient counts as zero.
         """
-        if params[0].grad is None:
+        if grads is None:
+            grads = [p.grad for p in params]
+        if grads[0] is None:
             return None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads, strict=True)
+        ]
         matrix = self.to_matrix(grads, params)
         storage = matrix.untyped_storage().data_ptr()
         if storage == grads[0].untyped_storage().data_ptr():

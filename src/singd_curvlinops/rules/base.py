@@ -18,7 +18,11 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.structures import StructuredMatrix, get_structure
-from singd_curvlinops.update import precondition
+from singd_curvlinops.update import (
+    precondition,
+    precondition_input_side,
+    precondition_output_side,
+)
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,36 @@ class Preconditioner:
         Returns:
             Tensor with the shape and dtype of `grad` (possibly `grad` itself).
         """
-        if self.square_roots:
-            return precondition(
-                grad, self.K, self.C, self.KKt, self.CCt, overwrite=overwrite
+        return precondition(grad, self.K, self.C, *self._sides, overwrite=overwrite)
+
+    def apply_side(self, side: int, mat: Tensor, *, overwrite: bool = False) -> Tensor:
+        r"""Apply one side: \(M P_K\) (side 0) or \(P_C M\) (side 1).
+
+        `apply` is `apply_side(1, apply_side(0, grad))`, up to the final cast;
+        either order gives \(P_C \Gamma P_K\).
+
+        Args:
+            side: 0 for the input side, 1 for the output side.
+            mat: `[rows, d_K]` for side 0, `[d_C, columns]` for side 1.
+            overwrite: Whether `mat` may be overwritten.
+
+        Returns:
+            The product, in the side's dtype (possibly `mat` itself).
+        """
+        if side == 0:
+            return precondition_input_side(
+                mat, self.K, self._sides[0], overwrite=overwrite
             )
-        return precondition(grad, self.K, self.C, self.K, self.C, overwrite=overwrite)
+        return precondition_output_side(
+            mat, self.C, self._sides[1], overwrite=overwrite
+        )
+
+    @property
+    def _sides(self) -> tuple[StructuredMatrix | None, StructuredMatrix | None]:
+        r"""The matrices applied as one product (None: as \(K (K^\top \cdot)\))."""
+        if self.square_roots:
+            return self.KKt, self.CCt
+        return self.K, self.C
 
 
 @dataclass(frozen=True)
@@ -82,9 +111,17 @@ class FactorRule(ABC):
     Attributes:
         factor_sides: `(state prefix, side)` of every factor the rule keeps, side
             0 for the input (dimension `d_K`) and 1 for the output (`d_C`).
+        splits_sides: Whether the two sides may be updated on different ranks
+            (`singd_curvlinops.distributed.Shard`): `update(..., sides=...)`
+            then changes only the state entries of `sides` (those whose prefix
+            `factor_sides` maps to them), reading no more of the other side
+            than its statistics and factors, and `preconditioner(..., sides=...)`
+            caches products only for `sides` (the record stays correct for both).
+            Entries of no side are advanced by every call, also with `sides=()`.
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
+    splits_sides: bool = False
 
     @abstractmethod
     def check_group(self, group: dict[str, Any]) -> None:
@@ -167,6 +204,8 @@ class FactorRule(ABC):
         group: dict[str, Any],
         statistics: FactorStatistics,
         preconditioner: Preconditioner,
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> None:
         """Update the layer's factors in `state` from the statistics.
 
@@ -175,17 +214,24 @@ class FactorRule(ABC):
             group: The layer's parameter group.
             statistics: The statistics of this update.
             preconditioner: The preconditioner before the update.
+            sides: The sides to update (only passed if `splits_sides`).
         """
 
     @abstractmethod
     def preconditioner(
-        self, state: dict[str, Any], group: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
         """Return the preconditioner that the layer's state defines.
 
         Args:
             state: The layer's state.
             group: The layer's parameter group.
+            sides: The sides this process applies (only passed if
+                `splits_sides`): products may be cached for these alone.
 
         Returns:
             The preconditioner; its matrices may share the state's tensors.

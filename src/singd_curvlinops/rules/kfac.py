@@ -30,7 +30,12 @@ _SINGD_ONLY = ("alpha1", "lr_cov", "kfac_like", "normalize_lr_cov")
 
 
 class KFACRule(FactorRule):
-    """KFAC's factors: dense exponential averages, inverted every `T` steps."""
+    """KFAC's factors: dense exponential averages, inverted every `T` steps.
+
+    The sides are not split across ranks (`splits_sides` is False): the costly
+    part is the inverse in `preconditioner`, which every rank that applies a side
+    would have to compute; `Shard` assigns whole layers.
+    """
 
     factor_sides = (("A", 0), ("G", 1))
 
@@ -88,20 +93,27 @@ class KFACRule(FactorRule):
         group: dict[str, Any],
         statistics: FactorStatistics,
         preconditioner: Preconditioner,
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> None:
         r"""Average the statistics into \(A\), \(G\) (the first update: as they are)."""
         if statistics.handed_over is not None:
-            U_K, U_C = statistics.handed_over
+            U = statistics.handed_over
         else:
-            U_K, U_C = (M.mat for M in statistics.collected)
+            U = tuple(M.mat for M in statistics.collected)
         beta = group["ema_decay"] if state["updates"] else 0.0
-        for prefix, U in (("A", U_K), ("G", U_C)):
-            factor = state[f"{prefix}.mat"]
-            factor.mul_(beta).add_(U.to(factor.dtype), alpha=1.0 - beta)
+        for prefix, side in self.factor_sides:
+            if side in sides:
+                factor = state[f"{prefix}.mat"]
+                factor.mul_(beta).add_(U[side].to(factor.dtype), alpha=1.0 - beta)
         state["updates"] += 1
 
     def preconditioner(
-        self, state: dict[str, Any], group: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
         r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I)."""
         inverses = []

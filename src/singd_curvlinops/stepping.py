@@ -1,0 +1,195 @@
+r"""The operations of one optimizer step on one layer, for a distribution strategy.
+
+`KroneckerOptimizer.step` hands a `LayerStepper` to its distribution strategy
+(`singd_curvlinops.distributed`), which decides where each operation runs:
+`Replicate` calls `step_layer` for every layer on every rank; `Shard` lets each
+layer's owner update the factors and precondition, and shares the results. The
+stepper knows the rule, the collector and the state, not the strategy.
+
+Under FSDP2 a layer's parameters are row shards (`DTensor`): `gradient` returns
+this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Parameter
+
+from singd_curvlinops.collector import StatisticsCollector
+from singd_curvlinops.distributed.fsdp import local
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorRule, FactorStatistics, Preconditioner
+from singd_curvlinops.update import parameter_step
+
+Records = Callable[[Layer, tuple[int, ...]], Preconditioner]
+
+
+class LayerStepper:
+    """The shell's per-layer operations within one step.
+
+    Args:
+        rule: The optimizer's factor rule.
+        collector: Its statistics collector.
+        state: Its state.
+        groups: Its parameter groups.
+        records: Its cached preconditioner of a layer for some sides.
+        forget: Drops a layer's cached preconditioners.
+        grad_scale: Scale of the gradients (a `GradScaler`'s), or None.
+        current_scale: Gradient scale of this backward pass, if known.
+    """
+
+    def __init__(
+        self,
+        *,
+        rule: FactorRule,
+        collector: StatisticsCollector,
+        state: dict[Parameter, dict[str, Any]],
+        groups: list[dict[str, Any]],
+        records: Records,
+        forget: Callable[[Layer], None],
+        grad_scale: Tensor | None,
+        current_scale: float | None,
+    ) -> None:
+        self.rule = rule
+        self.state = state
+        self.groups = groups
+        self.preconditioner = records
+        self.forget = forget
+        self._collector = collector
+        self._grad_scale = grad_scale
+        self._current_scale = current_scale
+
+    def group(self, layer: Layer) -> dict[str, Any]:
+        """Return the layer's parameter group.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Its group.
+        """
+        return self.groups[layer.group_index]
+
+    def due(self, layer: Layer) -> bool:
+        """Return whether the layer's factors update in this step.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Whether its step counter is a multiple of its group's `T`.
+        """
+        return self.state[layer.weight]["step"] % self.group(layer)["T"] == 0
+
+    def _statistics_scale(self, layer: Layer) -> float:
+        """Return the scale of the output gradients in this step's statistics.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            The current scale if known, else the one the layer expected.
+        """
+        return self._current_scale or self.state[layer.weight]["grad_scale"]
+
+    def take(self, layer: Layer) -> FactorStatistics | None:
+        """Remove and return the statistics of the layer's factor update.
+
+        Args:
+            layer: A due layer.
+
+        Returns:
+            The statistics (see `StatisticsCollector.take`), or None.
+        """
+        return self._collector.take(
+            layer, self.group(layer)["loss_average"], self._statistics_scale(layer)
+        )
+
+    def update(
+        self,
+        layer: Layer,
+        statistics: FactorStatistics | None,
+        sides: tuple[int, ...] | None = None,
+    ) -> None:
+        """Update the layer's factors with the rule (nothing without statistics).
+
+        Args:
+            layer: The layer.
+            statistics: From `take`.
+            sides: The sides to update (rules with `splits_sides`); None: all.
+        """
+        if statistics is None:
+            return
+        kwargs = {} if sides is None else {"sides": sides}
+        record = self.preconditioner(layer, ())
+        self.rule.update(
+            self.state[layer.weight], self.group(layer), statistics, record, **kwargs
+        )
+        if sides != ():
+            self.forget(layer)
+
+    def finish(self, layer: Layer, *, due: bool) -> None:
+        """Drop statistics that are not due, advance the step counter.
+
+        Args:
+            layer: The layer.
+            due: Whether its factors were due in this step.
+        """
+        if not due:
+            self._collector.discard(layer)
+        state = self.state[layer.weight]
+        state["step"] += 1
+        state["grad_scale"] = self._statistics_scale(layer)
+
+    def gradient(self, layer: Layer) -> Tensor | None:
+        r"""Return the unscaled \(\Gamma\) (this rank's rows under FSDP2).
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            A new tensor `[rows, d_K]`, or None if the weight has no gradient.
+        """
+        params = tuple(local(p) for p in layer.params)
+        grads = [None if p.grad is None else local(p.grad) for p in layer.params]
+        grad = layer.adapter.gradient_matrix(params, grads)
+        if grad is not None and self._grad_scale is not None:
+            grad.div_(self._grad_scale.to(grad.dtype))
+        return grad
+
+    def apply(self, layer: Layer, direction: Tensor) -> None:
+        r"""Apply weight decay, momentum and the learning rate to a direction.
+
+        Args:
+            layer: The layer.
+            direction: \(\Delta\) in the layout of \(\Gamma\) (this rank's rows
+                under FSDP2); it may be overwritten.
+        """
+        group = self.group(layer)
+        params = tuple(local(p) for p in layer.params)
+        parameter_step(
+            params,
+            layer.adapter.from_matrix(direction, params),
+            [local(self.state[p]["momentum_buffer"]) for p in layer.params],
+            lr=group["lr"],
+            momentum=group["momentum"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def step_layer(self, layer: Layer) -> None:
+        """Do the whole step of one layer on this rank (replicated work).
+
+        Args:
+            layer: The layer.
+        """
+        due = self.due(layer)
+        if due:
+            self.update(layer, self.take(layer))
+        self.finish(layer, due=due)
+        grad = self.gradient(layer)
+        if grad is not None:
+            direction = self.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)
+            self.apply(layer, direction)

@@ -39,9 +39,9 @@ def bytes_per_update(optimizer: Any) -> int:
         the factors' dtype.
     """
     strategy, total = optimizer.distribution, 0
+    dense = isinstance(strategy, Shard) and strategy.factors == "owned"
     for layer in optimizer.layers:
         group = optimizer.param_groups[layer.group_index]
-        dense = strategy.projection(layer) is not None
         structures = ("dense", "dense") if dense else group["structures"]
         entries = sum(
             stored_entries(name, dim)

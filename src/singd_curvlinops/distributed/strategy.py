@@ -246,9 +246,10 @@ class Shard(DistributionStrategy):
             layer: The layer.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` as dense matrices, or None.
+            `(a, g) -> (aᵀa, gᵀg)` as dense matrices (several processes and
+            `factors="owned"`), or None.
         """
-        return _dense_statistics if self._owned else None
+        return _dense_statistics if self._owned and world_size() > 1 else None
 
     def check_holds(self, layer: Layer) -> None:
         """Raise a `ValueError` if only the owner keeps the layer's factors.

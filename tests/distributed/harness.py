@@ -57,7 +57,8 @@ class Case:
         wrap: `"ddp"`, `"manual"` (gradients all-reduced by hand), `"accumulate"`
             (two micro-batches, DDP's `no_sync` on the first), `"fsdp"` or
             `"fsdp_accumulate"` (FSDP2, gradient sync off on the first).
-        distribute: `"replicate"`, `"shard"` or `"owned"`.
+        distribute: `"replicate"`, `"shard"`, `"owned"` (`Shard(factors="owned")`)
+            or `"factors"` (`Shard(share="factors")`).
         kfac: The `KFAC` optimizer instead of `SINGD`.
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60) or `"two"`
             (Conv2d 2→3, Linear 48→3).
@@ -87,7 +88,8 @@ def batch(step: int, model: str) -> tuple[Tensor, Tensor]:
 
 
 def strategy(name: str) -> Any:
-    return Shard(factors="owned") if name == "owned" else name
+    named = {"owned": Shard(factors="owned"), "factors": Shard(share="factors")}
+    return named.get(name, name)
 
 
 def make_optimizer(case: Case, net: nn.Module) -> Any:

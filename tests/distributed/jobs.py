@@ -47,6 +47,8 @@ CASES_W2 = {
     "ikfac": Case(IKFAC),
     "kfac": Case(KFAC_OPTIONS, kfac=True),
     "accumulate": Case(SPARSE, "accumulate"),
+    "factors_dense": Case(DENSE, distribute="factors"),
+    "factors_sparse": Case(SPARSE, distribute="factors"),
     "owned_dense": Case(DENSE, distribute="owned"),
     "owned_sparse": Case(SPARSE, distribute="owned"),
     "owned_kfac": Case(KFAC_OPTIONS, distribute="owned", kfac=True),
@@ -63,6 +65,7 @@ CASES_W3 = {
     "two_dense": Case(DENSE, model="two"),
     "two_kfac": Case(KFAC_OPTIONS, kfac=True, model="two"),
     "two_owned": Case(SPARSE, distribute="owned", model="two"),
+    "factors_ikfac": Case(IKFAC, distribute="factors"),
     "fsdp_shard": Case(SPARSE, "fsdp"),
     "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
 }
@@ -191,6 +194,7 @@ def _bytes(results: dict[str, Any]) -> None:
     for name, case in (
         ("shard", Case(SPARSE)),
         ("owned", Case(SPARSE, distribute="owned")),
+        ("factors", Case(SPARSE, distribute="factors")),
     ):
         model = build_model(case.model)
         net = wrap(case, model)

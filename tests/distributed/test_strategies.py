@@ -33,7 +33,7 @@ def _model() -> nn.Module:
 
 def test_resolve_names_and_copies_strategies() -> None:
     assert type(resolve("replicate")) is Replicate
-    assert repr(resolve("shard")) == "Shard(factors='replicated')"
+    assert repr(resolve("shard")) == "Shard(factors='replicated', share='directions')"
     owned = Shard(factors="owned")
     assert resolve(owned) is not owned and repr(resolve(owned)) == repr(owned)
 
@@ -50,12 +50,22 @@ def test_bad_distribute_raises(distribute: object, error: type, pattern: str) ->
         SINGD(_model(), distribute=distribute)
 
 
-def test_bad_factors_raise() -> None:
-    with pytest.raises(ValueError, match="factors must be one of"):
-        Shard(factors="everywhere")
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"factors": "everywhere"}, "factors must be one of"),
+        ({"share": "gradients"}, "share must be one of"),
+        ({"share": "factors", "factors": "owned"}, "needs factors='replicated'"),
+    ],
+)
+def test_bad_shard_options_raise(options: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Shard(**options)
 
 
-@pytest.mark.parametrize("distribute", ["shard", Shard(factors="owned")])
+@pytest.mark.parametrize(
+    "distribute", ["shard", Shard(factors="owned"), Shard(share="factors")]
+)
 @pytest.mark.parametrize("cls", [SINGD, KFAC])
 def test_one_process_trains_identically_under_every_strategy(
     cls: type, distribute: object

@@ -81,6 +81,7 @@ def bytes_per_step(
         plan,
         share_state=strategy.factors == "replicated",
         dense_statistics=False,
+        local_directions=strategy.share == "factors",
         world=world,
     )
     first, layout = step.layouts(layers, [update] * len(layers))

@@ -17,9 +17,10 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
 
 Every rank applies the same gathered numbers, so the replicated parameters (and
 state) stay bit-identical across ranks. The layout of every rank's share is
-computed on every rank from the assignment and the due layers alone. Under FSDP2
-with owned factor updates, the updated factors must reach every rank before the
-rows are preconditioned: that step makes a second `all_gather` first.
+computed on every rank from the assignment and the due layers alone. Where every
+rank preconditions with factors that owners just updated — FSDP2's rows, or
+`Shard(share="factors")` — the factors travel first, in an `all_gather` of
+their own (with `share="factors"` the only one: no directions travel).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class GatheredStep:
             state stays replicated) or keep them (only owners hold factors).
         dense_statistics: Whether the collected statistics are dense
             \(U_K\), \(U_C\) (for owners that project them themselves).
+        local_directions: Whether every rank preconditions every layer itself
+            (only the factors are shared; `Shard(share="factors")`).
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
     """
@@ -144,12 +147,14 @@ class GatheredStep:
         *,
         share_state: bool,
         dense_statistics: bool,
+        local_directions: bool = False,
         world: int | None = None,
     ) -> None:
         self.stepper = stepper
         self.plan = plan
         self.share_state = share_state
         self.dense_statistics = dense_statistics
+        self.local_directions = local_directions
         self.me, self.world = rank(), world or world_size()
 
     def __call__(self, layers: Sequence[Layer]) -> None:
@@ -163,7 +168,7 @@ class GatheredStep:
             self._update(layer, is_due)
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = self.layouts(layers, due)
-        if first:  # FSDP2: the factors first, then the rows
+        if first:  # the factors first, then the preconditioning
             self._share(layers, first, {})
         values = {layer: self._direction(layer, layer in sharded) for layer in layers}
         received = self._share(layers, layout, values)
@@ -181,16 +186,17 @@ class GatheredStep:
             due: Per layer, whether its factors update.
 
         Returns:
-            The layout of a first gather of factors (FSDP2 with owned updates;
-            else None) and of the step's gather, each per rank.
+            The layout of a first gather of factors (FSDP2 with owned updates,
+            or `local_directions`; else None) and of the step's gather, each
+            per rank.
         """
         states = [self._state_items(layers, due, r) for r in range(self.world)]
         sharded = {layer for layer in layers if is_sharded(layer)}
         directions = [
             self._direction_items(layers, sharded, r) for r in range(self.world)
         ]
-        if sharded and any(states):
-            return states, directions
+        if (sharded or self.local_directions) and any(states):
+            return states, directions  # preconditioning needs the new factors
         return None, [s + d for s, d in zip(states, directions, strict=True)]
 
     # ---------------------------------------------------------------- factors
@@ -255,10 +261,10 @@ class GatheredStep:
             d_K, d_C = layer.dims
             if layer in sharded:
                 shape = (chunk_rows(layer, self.world), d_K)
-            elif (assignment := self.plan[layer]) and assignment.direction_owner == r:
-                shape = (d_C, d_K)
-            else:
+            elif self._local(layer) or self.plan[layer].direction_owner != r:
                 continue
+            else:
+                shape = (d_C, d_K)
             items += [
                 Item(layer, "direction", "", shape),
                 Item(layer, "flag", "", (1,)),
@@ -277,15 +283,15 @@ class GatheredStep:
         Returns:
             What this rank sends for the layer (None: nothing or no gradient).
         """
-        assignment = self.plan[layer]
-        mine = sharded or assignment is None or assignment.direction_owner == self.me
+        assignment, local_work = self.plan[layer], self._local(layer)
+        mine = sharded or local_work or assignment.direction_owner == self.me
         grad = self.stepper.gradient(layer) if mine else None
         if grad is None:
             return None
         record = self.stepper.preconditioner(layer, self.sides(layer))
         if sharded:
             return record.apply_side(0, grad, overwrite=True)
-        if assignment is None:  # replicated work on this rank alone
+        if local_work:  # replicated work on this rank alone
             self.stepper.apply(layer, record.apply(grad, overwrite=True))
             return None
         if assignment.anchor is None:
@@ -303,7 +309,7 @@ class GatheredStep:
             the other side, and the anchor too on the anchor's owner; else none.
         """
         assignment = self.plan[layer]
-        if assignment is None or is_sharded(layer):
+        if self._local(layer) or is_sharded(layer):
             return (0, 1)
         if assignment.anchor is None:
             return (0, 1) if assignment.direction_owner == self.me else ()
@@ -311,6 +317,19 @@ class GatheredStep:
         if assignment.direction_owner == self.me:
             return (assignment.anchor, *other)
         return other
+
+    def _local(self, layer: Layer) -> bool:
+        """Return whether every rank preconditions the layer itself.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            True for replicated work or shared factors (not for row shards).
+        """
+        return (self.plan[layer] is None or self.local_directions) and not is_sharded(
+            layer
+        )
 
     # ---------------------------------------------------------------- sharing
     def _share(

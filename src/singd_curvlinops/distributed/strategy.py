@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
 _FACTORS = ("replicated", "owned")
+_SHARE = ("directions", "factors")
 
 
 class DistributionStrategy:
@@ -209,30 +211,44 @@ class Replicate(DistributionStrategy):
 
 
 class Shard(DistributionStrategy):
-    """Each layer's factor work is done by its owner rank (see the module docs).
+    r"""Each layer's factor work is done by its owner rank (see the module docs).
 
     Args:
         factors: `"replicated"`: every rank keeps every factor (owners send their
             updates); `"owned"`: only the owner keeps a layer's factors.
+        share: `"directions"`: owners precondition and send
+            \(\Delta = P_C \Gamma P_K\) every step; `"factors"`: owners send
+            only their updated factors and every rank preconditions every layer
+            (needs `factors="replicated"`; the benchmarks compare the two).
 
     Raises:
-        ValueError: If `factors` is not one of the two.
+        ValueError: If `factors` or `share` is not one of the allowed values, or
+            `share="factors"` comes with `factors="owned"`.
     """
 
-    def __init__(self, *, factors: str = "replicated") -> None:
+    def __init__(
+        self, *, factors: str = "replicated", share: str = "directions"
+    ) -> None:
         super().__init__()
         if factors not in _FACTORS:
             raise ValueError(f"factors must be one of {_FACTORS}, got {factors!r}.")
-        self.factors = factors
+        if share not in _SHARE:
+            raise ValueError(f"share must be one of {_SHARE}, got {share!r}.")
+        if share == "factors" and factors == "owned":
+            raise ValueError(
+                "share='factors' sends the updated factors to every rank, so it "
+                "needs factors='replicated', got factors='owned'."
+            )
+        self.factors, self.share = factors, share
         self.plan: dict[Layer, Assignment] = {}
 
     def __repr__(self) -> str:
         """Return the strategy as users write it.
 
         Returns:
-            E.g. `"Shard(factors='owned')"`.
+            E.g. `"Shard(factors='owned', share='directions')"`.
         """
-        return f"Shard(factors={self.factors!r})"
+        return f"Shard(factors={self.factors!r}, share={self.share!r})"
 
     @property
     def _owned(self) -> bool:
@@ -318,8 +334,10 @@ class Shard(DistributionStrategy):
         costs = []
         for layer in layers:
             group = groups[layer.group_index]
-            structures = rule.structures(group)
-            costs.append(layer_cost(structures, layer.dims, group["T"], splits))
+            cost = layer_cost(rule.structures(group), layer.dims, group["T"], splits)
+            if self.share == "factors":  # every rank preconditions: balance updates
+                cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
+            costs.append(cost)
         return dict(zip(layers, assign(costs, world), strict=True))
 
     def _check_step(
@@ -348,6 +366,7 @@ class Shard(DistributionStrategy):
             self.plan,
             share_state=not self._owned,
             dense_statistics=self._owned,
+            local_directions=self.share == "factors",
         )(layers)
 
     def full_state(

@@ -34,7 +34,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, default_params
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.stepping import LayerStepper
+from singd_curvlinops.stepping import LayerStepper, PreconditionerCache
 
 
 class KroneckerOptimizer(Optimizer):
@@ -96,8 +96,7 @@ class KroneckerOptimizer(Optimizer):
             )
         self._distribution = distributed.resolve(distribute)
         self._collector = StatisticsCollector(self._collection_plan)
-        # per layer, its preconditioners by the sides whose products they cache
-        self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
+        self._records = PreconditionerCache(self)
         self._init_grad_scale = float(init_grad_scale)
         if params is None:
             params = self._default_params(warn_unsupported)
@@ -180,28 +179,7 @@ class KroneckerOptimizer(Optimizer):
         Returns:
             The rule's record; do not modify its matrices.
         """
-        return self._record(self._layers.find(layer), (0, 1))
-
-    def _record(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
-        """Return a layer's cached preconditioner with products cached for `sides`.
-
-        Args:
-            layer: The layer.
-            sides: The sides this rank applies (rules that cannot split: both).
-
-        Returns:
-            The rule's record.
-        """
-        splits = self._rule.splits_sides
-        sides = sides if splits else (0, 1)
-        records = self._records.setdefault(layer, {})
-        if sides not in records:
-            self._distribution.check_holds(layer)
-            group = self.param_groups[layer.group_index]
-            kwargs = {"sides": sides} if splits else {}
-            state = self.state[layer.weight]
-            records[sides] = self._rule.preconditioner(state, group, **kwargs)
-        return records[sides]
+        return self._records(self._layers.find(layer), (0, 1))
 
     @property
     def distribution(self) -> distributed.DistributionStrategy:
@@ -232,7 +210,7 @@ class KroneckerOptimizer(Optimizer):
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
         project = self._distribution.projection(layer) or partial(
-            self._rule.project, self._record(layer, ())
+            self._rule.project, self._records(layer, ())
         )
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
@@ -312,21 +290,13 @@ class KroneckerOptimizer(Optimizer):
             collector=self._collector,
             state=self.state,
             groups=self.param_groups,
-            records=self._record,
-            forget=self._forget,
+            records=self._records,
+            forget=self._records.forget,
             grad_scale=grad_scale,
             current_scale=current_scale,
         )
         self._distribution.step(stepper, layers)
         return loss
-
-    def _forget(self, layer: Layer) -> None:
-        """Drop a layer's cached preconditioners (its factors changed).
-
-        Args:
-            layer: The layer.
-        """
-        self._records.pop(layer, None)
 
     def _all_finite(self, layers: list[Layer]) -> bool:
         """Check gradients and pending statistics for infinities and NaNs.
@@ -436,7 +406,7 @@ class KroneckerOptimizer(Optimizer):
         for key, value in self.__dict__.items():
             if key not in skip:
                 twin.__dict__[key] = copy.deepcopy(value, memo)
-        twin._records = {}
+        twin._records = PreconditionerCache(twin)
         layers = {layer: copy.deepcopy(layer, memo) for layer in self._layers}
         twin._collector = self._collector.copy_to(layers, twin._collection_plan, memo)
         return twin

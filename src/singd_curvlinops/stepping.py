@@ -193,3 +193,55 @@ class LayerStepper:
         if grad is not None:
             direction = self.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)
             self.apply(layer, direction)
+
+
+class PreconditionerCache:
+    """An optimizer's preconditioners, per layer and sides, until factors change.
+
+    A record caches products only for the sides this rank applies
+    (`FactorRule.splits_sides`); the statistics hooks ask for none, the step of a
+    whole layer for both. Rules that cannot split build one record per layer.
+
+    Args:
+        optimizer: The optimizer shell (its rule, state, groups and strategy).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
+
+    def __call__(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
+        """Return a layer's record with products cached for `sides`.
+
+        Args:
+            layer: The layer.
+            sides: The sides this rank applies.
+
+        Returns:
+            The rule's record (cached).
+        """
+        optimizer = self._optimizer
+        splits = optimizer.rule.splits_sides
+        sides = sides if splits else (0, 1)
+        records = self._records.setdefault(layer, {})
+        if sides not in records:
+            optimizer.distribution.check_holds(layer)
+            kwargs = {"sides": sides} if splits else {}
+            records[sides] = optimizer.rule.preconditioner(
+                optimizer.state[layer.weight],
+                optimizer.param_groups[layer.group_index],
+                **kwargs,
+            )
+        return records[sides]
+
+    def forget(self, layer: Layer) -> None:
+        """Drop a layer's records (its factors changed).
+
+        Args:
+            layer: The layer.
+        """
+        self._records.pop(layer, None)
+
+    def clear(self) -> None:
+        """Drop every record."""
+        self._records.clear()

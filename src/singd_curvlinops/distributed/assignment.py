@@ -11,9 +11,13 @@ factors of that structure costs about \(p = n^2 / d\) (dense \(d^3\), diagonal
 |---|---|---|
 | factor update | \(2p\) (\(\Pi(K^\top K)\), \(K m_K\)) | every `T` steps |
 | cached product | \(p\) (\(K K^\top\), or KFAC's inverse) | every `T` steps |
-| applying the side to \(\Gamma\) | \(n \cdot d_\text{other}\) | every step |
+| applying the side to \(\Gamma\) | \(n\, m\) (\(2 n\, m\) uncached) | every step |
 
-with the first two divided by `T`. The model ranks work; it does not predict time.
+(\(m\): the other side's dimension)
+
+with the first two divided by `T`. A side's product is cached as SINGD caches it
+(`SINGDRule.preconditioner`): if `T > 1`, the structure is sparse, or the side
+is the layer's smaller one. The model ranks work; it does not predict time.
 
 **Assignment.** Each layer is a *unit* owned by one rank (it updates both factors
 and computes \(\Delta = P_C \Gamma P_K\)), or, for rules whose sides can be
@@ -118,10 +122,18 @@ def layer_cost(
     """
     entries = [stored_entries(s, d) for s, d in zip(structures, dims, strict=True)]
     products = [n * n / d for n, d in zip(entries, dims, strict=True)]
+    others = (dims[1], dims[0])
+    cached = [
+        T > 1 or n < d * d or d < other
+        for n, d, other in zip(entries, dims, others, strict=True)
+    ]
     return LayerCost(
         update=(2 * products[0] / T, 2 * products[1] / T),
-        build=(products[0] / T, products[1] / T),
-        apply=(entries[0] * dims[1], entries[1] * dims[0]),
+        build=tuple(p / T if c else 0.0 for p, c in zip(products, cached, strict=True)),
+        apply=tuple(
+            n * other * (1 if c else 2)
+            for n, other, c in zip(entries, others, cached, strict=True)
+        ),
         splittable=splittable,
     )
 

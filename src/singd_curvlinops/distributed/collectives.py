@@ -18,7 +18,7 @@ that names what this rank was doing and the likely cause.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -138,22 +138,29 @@ def check_same_step(step: int, device: torch.device) -> None:
         )
 
 
-def all_gather_buffers(buffer: Tensor, sizes: list[int]) -> list[Tensor]:
-    """Gather every rank's flat buffer (one `all_gather` of equal-size tensors).
+def all_gather_parts(
+    parts: Sequence[Tensor], sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> list[Tensor]:
+    """Gather every rank's numbers: one `all_gather` of equal-size flat buffers.
+
+    Each rank copies its parts once, into a buffer as long as the longest rank's
+    share (gloo gathers equal sizes only), the tail zeroed.
 
     Args:
-        buffer: This rank's numbers, of length `sizes[rank()]`.
-        sizes: Every rank's length, the same list on every rank.
+        parts: This rank's tensors, in order; `sizes[rank()]` numbers in all.
+        sizes: Every rank's number of numbers, the same list on every rank.
+        dtype: The buffer's dtype (holds every part exactly).
+        device: The buffer's device.
 
     Returns:
-        Per rank, its buffer (this rank's own is `buffer` itself).
+        Per rank, its numbers (views of the gathered buffers).
     """
-    me, longest = rank(), max(sizes)
-    padded = buffer
-    if buffer.numel() < longest:
-        padded = torch.zeros(longest, dtype=buffer.dtype, device=buffer.device)
-        padded[: buffer.numel()] = buffer
-    received = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(received, padded)
-    received[me] = buffer
+    buffer = torch.empty(max(sizes), dtype=dtype, device=device)
+    offset = 0
+    for part in parts:
+        buffer[offset : offset + part.numel()].copy_(part.reshape(-1))
+        offset += part.numel()
+    buffer[offset:].zero_()
+    received = [torch.empty_like(buffer) for _ in sizes]
+    dist.all_gather(received, buffer)
     return [chunk[:size] for chunk, size in zip(received, sizes, strict=True)]

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from singd_curvlinops.distributed.assignment import Assignment
 from singd_curvlinops.distributed.collectives import (
-    all_gather_buffers,
+    all_gather_parts,
     named_collective,
     rank,
     world_size,
@@ -351,12 +351,8 @@ class GatheredStep:
         dtype = buffer_dtype(layers, self.stepper.groups)
         device = local(layers[0].weight).device
         parts = [self._value(item, values) for item in layout[self.me]]
-        buffer = torch.cat(
-            [part.reshape(-1).to(dtype) for part in parts]
-            or [torch.zeros(0, dtype=dtype, device=device)]
-        )
         with named_collective("The all_gather of a sharded optimizer's step"):
-            buffers = all_gather_buffers(buffer, sizes)
+            buffers = all_gather_parts(parts, sizes, dtype, device)
         directions, flags = {}, []
         for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
             chunks = flat.split([item.numel for item in items])
@@ -394,6 +390,8 @@ class GatheredStep:
         direction = values.get(item.layer)
         if item.kind == "flag":
             return torch.tensor([float(direction is not None)], device=weight.device)
+        if direction is not None and tuple(direction.shape) == item.shape:
+            return direction
         padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
         if direction is not None:
             padded[: direction.shape[0]] = direction

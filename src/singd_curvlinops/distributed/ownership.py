@@ -19,7 +19,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.distributed.assignment import Assignment
 from singd_curvlinops.distributed.collectives import (
-    all_gather_buffers,
+    all_gather_parts,
     named_collective,
     rank,
     world_size,
@@ -112,15 +112,11 @@ def gather(
             value = templates[layer][key]
             shape = tuple(value.shape) if isinstance(value, Tensor) else (1,)
             layout[plan[layer].owners[0]].append(Item(layer, "state", key, shape))
-    dtype = buffer_dtype(layers, groups)
+    dtype, device = buffer_dtype(layers, groups), layers[0].weight.device
     parts = [_as_tensor(state[item.layer.weight][item.key]) for item in layout[me]]
-    device = layers[0].weight.device
-    buffer = torch.cat(
-        [p.reshape(-1).to(dtype=dtype, device=device) for p in parts]
-        or [torch.zeros(0, dtype=dtype, device=device)]
-    )
+    sizes = [sum(item.numel for item in share) for share in layout]
     with named_collective("Gathering the factors from their owners (state_dict)"):
-        buffers = all_gather_buffers(buffer, [sum(i.numel for i in s) for s in layout])
+        buffers = all_gather_parts(parts, sizes, dtype, device)
     for sender, items in enumerate(layout):
         if sender == me:
             continue

@@ -37,7 +37,7 @@ from singd_curvlinops.bench.configurations import SINGD_HYPERPARAMETERS
 from singd_curvlinops.bench.memory import MIB
 from singd_curvlinops.bench.workloads import build_workload, train_step
 from singd_curvlinops.distributed import Shard, bytes_per_step
-from singd_curvlinops.distributed.engine import SHELL_KEYS
+from singd_curvlinops.distributed.layout import SHELL_KEYS
 
 # label: the `distribute` option
 STRATEGIES: dict[str, Any] = {

@@ -5,8 +5,9 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 - `strategy`: `Replicate` (every rank does all factor work) and `Shard` (owners
   do it, one `all_gather` per step shares it), chosen with `distribute=`.
 - `assignment`: the per-structure cost model and the balanced assignment.
-- `engine`: one step of a sharded strategy; `ownership`: factors kept by owners
-  only; `fsdp`: FSDP2's row-sharded layers.
+- `engine`: one step of a sharded strategy, `layout`: what its `all_gather`
+  holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
+  layers.
 - `communication`: the bytes each of them sends.
 - `collectives`: the checks that turn misuse into errors on every rank.
 

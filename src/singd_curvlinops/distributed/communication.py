@@ -23,7 +23,8 @@ import torch
 
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import stored_entries
-from singd_curvlinops.distributed.engine import GatheredStep, buffer_dtype
+from singd_curvlinops.distributed.engine import GatheredStep
+from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.strategy import Shard
 
 

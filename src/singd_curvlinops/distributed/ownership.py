@@ -1,16 +1,19 @@
-"""Factors kept by their owners only (`Shard(factors="owned")`): drop and gather.
+r"""Factors kept by their owners only (`Shard(factors="owned")`): drop and gather.
 
 A rank keeps, per layer it does not own, only the shell's entries (`"step"`,
 `"grad_scale"`, the momentum buffers: the parameters are replicated and every rank
 applies every layer's update). `gather` brings every layer's factor entries to
 every rank in one `all_gather` (for `state_dict()` and for a new assignment);
 `drop` removes them again. The shapes, dtypes and types of the entries a rank does
-not hold come from the rule's `init_state` on the meta device.
+not hold come from the rule's `init_state` on the meta device. Without the factors,
+the statistics hooks collect the dense \(U_K = a^\top a\), \(U_C\)
+(`dense_statistics`), which the owners project themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,9 +27,10 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
-from singd_curvlinops.distributed.engine import SHELL_KEYS, Item, buffer_dtype
+from singd_curvlinops.distributed.layout import SHELL_KEYS, Item, buffer_dtype
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
+from singd_curvlinops.structures import DenseMatrix
 
 State = dict[Parameter, dict[str, Any]]
 
@@ -154,3 +158,62 @@ def _restore(template: Any, chunk: Tensor, device: torch.device) -> Any:
         return view.to(dtype=template.dtype, device=device, copy=True)
     value = chunk.item()
     return round(value) if isinstance(template, int) else value
+
+
+@contextmanager
+def gathered(
+    state: dict[Parameter, dict[str, Any]],
+    plan: dict[Layer, Assignment],
+    groups: Sequence[dict[str, Any]],
+    rule: FactorRule,
+) -> Iterator[None]:
+    """Gather every layer's factors onto every rank; drop them again on exit.
+
+    Args:
+        state: The optimizer's state.
+        plan: The assignment.
+        groups: The parameter groups.
+        rule: The factor rule.
+
+    Yields:
+        None.
+    """
+    gather(state, list(plan), plan, groups, rule)
+    try:
+        yield
+    finally:
+        drop(state, plan)
+
+
+def dense_statistics(a: Tensor, g: Tensor) -> tuple[DenseMatrix, DenseMatrix]:
+    r"""Return the dense \(a^\top a\), \(g^\top g\) (no factor needed).
+
+    Args:
+        a: Input rows `[rows, d_K]`.
+        g: Output-gradient rows `[rows, d_C]`.
+
+    Returns:
+        The two dense matrices.
+    """
+    return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
+
+
+def dense_zeros(
+    dims: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    device: torch.device,
+) -> tuple[DenseMatrix, DenseMatrix]:
+    """Return dense zero statistics.
+
+    Args:
+        dims: `(d_K, d_C)`.
+        dtypes: Their dtypes.
+        device: Their device.
+
+    Returns:
+        Two dense zero matrices.
+    """
+    return tuple(
+        DenseMatrix.zeros(dim, dtype=dtype, device=device)
+        for dim, dtype in zip(dims, dtypes, strict=True)
+    )

@@ -27,12 +27,11 @@ gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -49,7 +48,7 @@ from singd_curvlinops.distributed.exchange import StatisticsExchange, describe_l
 from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
-from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
+from singd_curvlinops.structures import StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
 _FACTORS = ("replicated", "owned")
@@ -123,7 +122,7 @@ class DistributionStrategy:
             group = groups[layer.group_index]
             dtypes, device = layer.factor_dtypes(group), layer.weight.device
             if self.projection(layer) is not None:
-                return _dense_zeros(layer.dims, dtypes, device)
+                return ownership.dense_zeros(layer.dims, dtypes, device)
             return rule.zero_statistics(group, layer.dims, dtypes, device)
 
         due = [
@@ -265,7 +264,7 @@ class Shard(DistributionStrategy):
             `(a, g) -> (aᵀa, gᵀg)` as dense matrices (several processes and
             `factors="owned"`), or None.
         """
-        return _dense_statistics if self._owned and world_size() > 1 else None
+        return ownership.dense_statistics if self._owned and world_size() > 1 else None
 
     def check_holds(self, layer: Layer) -> None:
         """Raise a `ValueError` if only the owner keeps the layer's factors.
@@ -392,7 +391,7 @@ class Shard(DistributionStrategy):
         """
         if not (self._owned and self.plan and world_size() > 1):
             return nullcontext()
-        return _gathered(state, self.plan, groups, rule)
+        return ownership.gathered(state, self.plan, groups, rule)
 
     def loaded(self, state: dict[Parameter, dict[str, Any]]) -> None:
         """Keep only this rank's factors of a loaded state (`factors="owned"`).
@@ -402,65 +401,6 @@ class Shard(DistributionStrategy):
         """
         if self._owned and self.plan and world_size() > 1:
             ownership.drop(state, self.plan)
-
-
-@contextmanager
-def _gathered(
-    state: dict[Parameter, dict[str, Any]],
-    plan: dict[Layer, Assignment],
-    groups: Sequence[dict[str, Any]],
-    rule: FactorRule,
-) -> Iterator[None]:
-    """Gather every layer's factors onto every rank; drop them again on exit.
-
-    Args:
-        state: The optimizer's state.
-        plan: The assignment.
-        groups: The parameter groups.
-        rule: The factor rule.
-
-    Yields:
-        None.
-    """
-    ownership.gather(state, list(plan), plan, groups, rule)
-    try:
-        yield
-    finally:
-        ownership.drop(state, plan)
-
-
-def _dense_statistics(a: Tensor, g: Tensor) -> tuple[DenseMatrix, DenseMatrix]:
-    r"""Return the dense \(a^\top a\), \(g^\top g\) (no factor needed).
-
-    Args:
-        a: Input rows `[rows, d_K]`.
-        g: Output-gradient rows `[rows, d_C]`.
-
-    Returns:
-        The two dense matrices.
-    """
-    return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
-
-
-def _dense_zeros(
-    dims: tuple[int, int],
-    dtypes: tuple[torch.dtype, torch.dtype],
-    device: torch.device,
-) -> tuple[DenseMatrix, DenseMatrix]:
-    """Return dense zero statistics.
-
-    Args:
-        dims: `(d_K, d_C)`.
-        dtypes: Their dtypes.
-        device: Their device.
-
-    Returns:
-        Two dense zero matrices.
-    """
-    return tuple(
-        DenseMatrix.zeros(dim, dtype=dtype, device=device)
-        for dim, dtype in zip(dims, dtypes, strict=True)
-    )
 
 
 def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:

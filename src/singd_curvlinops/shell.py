@@ -209,9 +209,11 @@ class KroneckerOptimizer(Optimizer):
             return None
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
-        project = self._distribution.projection(layer) or partial(
-            self._rule.project, self._records(layer, ())
-        )
+        project = self._distribution.projection(layer)
+        if project is None:  # the rule's, with the current factors if it reads them
+            reads = self._rule.reads_preconditioner
+            record = self._records(layer, ()) if reads else None
+            project = partial(self._rule.project, record)
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],

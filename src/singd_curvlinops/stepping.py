@@ -124,7 +124,9 @@ class LayerStepper:
         if statistics is None:
             return
         kwargs = {} if sides is None else {"sides": sides}
-        record = self.preconditioner(layer, ())
+        record = (
+            self.preconditioner(layer, ()) if self.rule.reads_preconditioner else None
+        )
         self.rule.update(
             self.state[layer.weight], self.group(layer), statistics, record, **kwargs
         )

@@ -203,3 +203,24 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
         _model(), structures=("diagonal", "diagonal"), distribute=Shard(factors="owned")
     )
     assert bytes_per_update(owned) == ((7 * 7 + 5 * 5 + 1) + (6 * 6 + 3 * 3 + 1)) * 8
+
+
+def test_kfacs_statistics_hooks_build_no_preconditioner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KFAC's statistics need no factors: no inverse in the forward pass."""
+    calls = []
+    original = KFACRule.preconditioner
+
+    def counting(self: KFACRule, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(KFACRule, "preconditioner", counting)
+    model = _model()
+    optimizer = KFAC(model, T=1)
+    X, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    F.cross_entropy(model(X), y).backward()
+    assert calls == [] and optimizer.curvature_pending is False
+    optimizer.step()
+    assert len(calls) == 2  # the step's, one per layer

@@ -118,10 +118,15 @@ class FactorRule(ABC):
             than its statistics and factors, and `preconditioner(..., sides=...)`
             caches products only for `sides` (the record stays correct for both).
             Entries of no side are advanced by every call, also with `sides=()`.
+        reads_preconditioner: Whether `project` and `update` read the
+            preconditioner they are given (SINGD: its factors); if not, the
+            optimizer passes None and builds none for them (KFAC: no inverse
+            before the update).
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
     splits_sides: bool = False
+    reads_preconditioner: bool = True
 
     @abstractmethod
     def check_group(self, group: dict[str, Any]) -> None:
@@ -164,12 +169,13 @@ class FactorRule(ABC):
 
     @abstractmethod
     def project(
-        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+        self, preconditioner: Preconditioner | None, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return one micro-batch's statistics from the rows \(a\), \(\tilde g\).
 
         Args:
-            preconditioner: The layer's current preconditioner.
+            preconditioner: The layer's current preconditioner (None unless
+                `reads_preconditioner`).
             a: Input rows `[rows, d_K]` (a buffer the rule may overwrite).
             g: Output-gradient rows `[rows, d_C]` (leave intact).
 
@@ -203,7 +209,7 @@ class FactorRule(ABC):
         state: dict[str, Any],
         group: dict[str, Any],
         statistics: FactorStatistics,
-        preconditioner: Preconditioner,
+        preconditioner: Preconditioner | None,
         *,
         sides: tuple[int, ...] = (0, 1),
     ) -> None:
@@ -213,7 +219,8 @@ class FactorRule(ABC):
             state: The layer's state; its tensors may be updated in place.
             group: The layer's parameter group.
             statistics: The statistics of this update.
-            preconditioner: The preconditioner before the update.
+            preconditioner: The preconditioner before the update (None unless
+                `reads_preconditioner`).
             sides: The sides to update (only passed if `splits_sides`).
         """
 

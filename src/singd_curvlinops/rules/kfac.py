@@ -38,6 +38,7 @@ class KFACRule(FactorRule):
     """
 
     factor_sides = (("A", 0), ("G", 1))
+    reads_preconditioner = False  # statistics a^T a, g^T g; EMA of the factors
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Validate KFAC's options; SINGD-only options are removed."""
@@ -69,7 +70,7 @@ class KFACRule(FactorRule):
         return state
 
     def project(
-        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+        self, preconditioner: Preconditioner | None, a: Tensor, g: Tensor
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return the dense \(a^\top a\) and \(g^\top g\)."""
         return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
@@ -92,7 +93,7 @@ class KFACRule(FactorRule):
         state: dict[str, Any],
         group: dict[str, Any],
         statistics: FactorStatistics,
-        preconditioner: Preconditioner,
+        preconditioner: Preconditioner | None,
         *,
         sides: tuple[int, ...] = (0, 1),
     ) -> None:

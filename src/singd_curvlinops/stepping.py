@@ -157,6 +157,8 @@ class LayerStepper:
         """
         params = tuple(local(p) for p in layer.params)
         grads = [None if p.grad is None else local(p.grad) for p in layer.params]
+        if grads[0] is not None and not params[0].numel():  # an empty row shard
+            return grads[0].new_zeros(0, layer.dims[0])
         grad = layer.adapter.gradient_matrix(params, grads)
         if grad is not None and self._grad_scale is not None:
             grad.div_(self._grad_scale.to(grad.dtype))
@@ -172,6 +174,8 @@ class LayerStepper:
         """
         group = self.group(layer)
         params = tuple(local(p) for p in layer.params)
+        if not params[0].numel():  # an empty row shard: nothing to update here
+            return
         parameter_step(
             params,
             layer.adapter.from_matrix(direction, params),

@@ -32,7 +32,7 @@ from singd_curvlinops.distributed import Shard
 BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
 STEPS = 6
 TOLERANCE = 1e-10
-CLASSES = {"three": 60, "two": 3}
+CLASSES = {"three": 60, "two": 2}  # 2 rows on 3 ranks: an empty FSDP2 shard
 SPARSE = {
     "lr": 0.1,
     "lr_cov": 0.1,
@@ -61,7 +61,7 @@ class Case:
             or `"factors"` (`Shard(share="factors")`).
         kfac: The `KFAC` optimizer instead of `SINGD`.
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60) or `"two"`
-            (Conv2d 2→3, Linear 48→3).
+            (Conv2d 2→3, Linear 48→2).
     """
 
     options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
@@ -74,7 +74,7 @@ class Case:
 def build_model(name: str) -> nn.Sequential:
     torch.manual_seed(0)
     if name == "two":
-        tail = [nn.Linear(48, 3)]
+        tail = [nn.Linear(48, CLASSES["two"])]
     else:
         tail = [nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, CLASSES["three"])]
     conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)

@@ -355,8 +355,8 @@ class KroneckerOptimizer(Optimizer):
         A callable `lr_cov` is replaced by a marker; `load_state_dict` restores the
         callable of the optimizer it loads into.
 
-        Under `Shard(factors="owned")` every rank must call it: it gathers the
-        factors from their owners, so that the state dictionary is complete.
+        Under `distribute="shard"` every rank must call it: it gathers what only
+        the owners keep (momenta, or all factors), so that it is complete.
 
         Returns:
             The state dictionary.
@@ -384,7 +384,7 @@ class KroneckerOptimizer(Optimizer):
         checkpoint.restore_factors(self.state, factors)
         self._collector.clear()
         self._records.clear()
-        self._distribution.loaded(self.state)
+        self._distribution.loaded(self.state, self._rule)
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict[int, Any]) -> KroneckerOptimizer:

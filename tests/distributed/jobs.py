@@ -89,6 +89,13 @@ def _equivalence(results: dict[str, Any], cases: dict[str, Case]) -> None:
             for layer in optimizer.layers
         ]
         results[f"held/{name}"] = held
+        results[f"momenta/{name}"] = [
+            [
+                any(key.startswith(f"{m}.") for key in optimizer.state[layer.weight])
+                for m in ("m_K", "m_C")
+            ]
+            for layer in optimizer.layers
+        ]
         state = optimizer.state_dict()  # collective when owned
         if not case.wrap.startswith("fsdp"):  # (DTensor momenta do not load in tests)
             results[f"state/{name}"] = state

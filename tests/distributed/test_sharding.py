@@ -128,6 +128,20 @@ def test_owned_factors_live_on_exactly_one_rank(w2: list[dict], name: str) -> No
     assert all(any(ranks) for ranks in held)  # both ranks own something
 
 
+@pytest.mark.parametrize("name", ["dense", "ikfac"])
+def test_momenta_live_on_the_rank_that_updates_their_side(
+    w2: list[dict], name: str
+) -> None:
+    """Every rank keeps every factor; each momentum lives on one rank only."""
+    assert all(all(result[f"held/{name}"]) for result in w2)
+    momenta = [result[f"momenta/{name}"] for result in w2]
+    plan = w2[0][f"plan/{name}"]
+    for index, (owners, _) in enumerate(plan):
+        for side in (0, 1):
+            holders = [rank for rank in range(2) if momenta[rank][index][side]]
+            assert holders == [owners[side]]
+
+
 # ------------------------------------------------------------------ checkpoints
 @pytest.mark.parametrize("tag", ["shard", "owned", "fsdp"])
 def test_a_resumed_sharded_run_continues_bit_identically(

@@ -9,14 +9,15 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    computes the half product (\(\Gamma P_K\) or \(P_C \Gamma\)); a layer sharded
    by FSDP2 has every rank precondition its rows of \(\Gamma P_K\) (see `fsdp`);
 3. **shares** in one `all_gather`: each rank's (half-)preconditioned gradients,
-   one flag each (0: the layer has no gradient), and — if the state is
-   replicated — the state entries of the sides it updated;
+   one flag each (0: the layer has no gradient), and — if the factors are
+   replicated — the updated factors of its sides (not their momenta, which only
+   the owner reads: `FactorRule.owner_state`);
 4. **applies**: received state entries replace the local ones; every rank applies
    the remaining side of split and row-sharded layers, and then weight decay,
    momentum and the learning rate to every layer's \(\Delta\).
 
 Every rank applies the same gathered numbers, so the replicated parameters (and
-state) stay bit-identical across ranks. The layout of every rank's share is
+factors) stay bit-identical across ranks. The layout of every rank's share is
 computed on every rank from the assignment and the due layers alone. Where every
 rank preconditions with factors that owners just updated — FSDP2's rows, or
 `Shard(share="factors")` — the factors travel first, in an `all_gather` of
@@ -42,6 +43,7 @@ from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
     buffer_dtype,
+    kept_everywhere,
     owned_sides,
     rule_keys,
     shape_of,
@@ -145,7 +147,9 @@ class GatheredStep:
         self.stepper.finish(layer, due=due)
 
     def _state_items(self, layers: Sequence[Layer], due: list[bool], r: int) -> list:
-        """Return the state entries rank `r` sends (sides it updated).
+        """Return the state entries rank `r` sends (of the sides it updated).
+
+        Entries that only their owner keeps (`FactorRule.owner_state`) stay.
 
         Args:
             layers: The layers.
@@ -165,7 +169,8 @@ class GatheredStep:
                 continue
             state = self.stepper.state[layer.weight]
             keys = rule_keys(state, rule, sides if rule.splits_sides else None)
-            items += [Item(layer, "state", key, shape_of(state[key])) for key in keys]
+            shared = [key for key in keys if kept_everywhere(key, rule, owned=False)]
+            items += [Item(layer, "state", key, shape_of(state[key])) for key in shared]
         return items
 
     # ------------------------------------------------------------- directions

@@ -62,6 +62,19 @@ def owned_sides(assignment: Assignment | None, me: int) -> tuple[int, ...]:
     return tuple(side for side in (0, 1) if assignment.owners[side] == me)
 
 
+def side_of(key: str, rule: FactorRule) -> int | None:
+    """Return the side a state entry belongs to (by its `factor_sides` prefix).
+
+    Args:
+        key: The entry's key, e.g. `"m_K.mat"`.
+        rule: The factor rule.
+
+    Returns:
+        0, 1, or None for an entry of no side (e.g. a counter).
+    """
+    return dict(rule.factor_sides).get(key.split(".", 1)[0])
+
+
 def rule_keys(
     state: dict[str, Any], rule: FactorRule, sides: tuple[int, ...] | None
 ) -> list[str]:
@@ -70,17 +83,46 @@ def rule_keys(
     Args:
         state: The layer's state.
         rule: The factor rule.
-        sides: Only the entries of these sides (by `factor_sides` prefix);
-            None: every entry of the rule, also those of no side.
+        sides: Only the entries of these sides; None: every entry of the rule,
+            also those of no side.
 
     Returns:
         The keys.
     """
-    prefixes = dict(rule.factor_sides)
     keys = sorted(key for key in state if key not in SHELL_KEYS)
     if sides is None:
         return keys
-    return [key for key in keys if prefixes.get(key.split(".", 1)[0]) in sides]
+    return [key for key in keys if side_of(key, rule) in sides]
+
+
+def source(key: str, assignment: Assignment, rule: FactorRule) -> int:
+    """Return the rank that updates a state entry.
+
+    Args:
+        key: The entry's key.
+        assignment: Its layer's assignment.
+        rule: The factor rule.
+
+    Returns:
+        The owner of the entry's side (of the layer, for a rule that does not
+        split or an entry of no side).
+    """
+    side = side_of(key, rule)
+    return assignment.owners[0 if side is None or not rule.splits_sides else side]
+
+
+def kept_everywhere(key: str, rule: FactorRule, owned: bool) -> bool:
+    """Return whether every rank keeps a state entry (else only its source).
+
+    Args:
+        key: The entry's key.
+        rule: The factor rule.
+        owned: Whether only owners keep factors (`Shard(factors="owned")`).
+
+    Returns:
+        False under owned factors and for the rule's `owner_state`; else True.
+    """
+    return not owned and key.split(".", 1)[0] not in rule.owner_state
 
 
 def buffer_dtype(layers: Sequence[Layer], groups: Sequence[dict]) -> torch.dtype:

@@ -1,13 +1,17 @@
-r"""Factors kept by their owners only (`Shard(factors="owned")`): drop and gather.
+r"""State kept by its owners only: drop it elsewhere, gather it for checkpoints.
 
-A rank keeps, per layer it does not own, only the shell's entries (`"step"`,
+Under `Shard` a state entry of a layer is kept either by every rank (the factors
+that the statistics hooks and the preconditioning read, with
+`factors="replicated"`) or only by its *source*, the rank that updates it:
+the rule's `owner_state` (SINGD's momenta) always, every factor entry with
+`factors="owned"`. Every rank keeps the shell's entries (`"step"`,
 `"grad_scale"`, the momentum buffers: the parameters are replicated and every rank
-applies every layer's update). `gather` brings every layer's factor entries to
+applies every layer's update). `gather` brings the entries a rank does not keep to
 every rank in one `all_gather` (for `state_dict()` and for a new assignment);
-`drop` removes them again. The shapes, dtypes and types of the entries a rank does
-not hold come from the rule's `init_state` on the meta device. Without the factors,
-the statistics hooks collect the dense \(U_K = a^\top a\), \(U_C\)
-(`dense_statistics`), which the owners project themselves.
+`drop` removes them again. Their shapes, dtypes and types come from the rule's
+`init_state` on the meta device. Without the factors, the statistics hooks collect
+the dense \(U_K = a^\top a\), \(U_C\) (`dense_statistics`), which the owners
+project themselves.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
-from singd_curvlinops.distributed.layout import SHELL_KEYS, Item, buffer_dtype
+from singd_curvlinops.distributed.layout import (
+    Item,
+    buffer_dtype,
+    kept_everywhere,
+    rule_keys,
+    shape_of,
+    source,
+)
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import DenseMatrix
@@ -53,21 +64,31 @@ def holder(plan: Mapping[Layer, Assignment], layer: Layer, owned: bool) -> int |
     return None if owner == rank() else owner
 
 
-def drop(state: State, plan: Mapping[Layer, Assignment]) -> None:
-    """Remove the factor entries of the layers this rank does not own.
+def drop(
+    state: State, plan: Mapping[Layer, Assignment], rule: FactorRule, *, owned: bool
+) -> None:
+    """Remove the entries this rank does not keep (see the module docs).
 
-    Each such layer's state becomes a new dictionary, so that a state dict
-    taken before still holds the removed entries.
+    A layer that loses entries gets a new state dictionary, so that a state dict
+    taken before still holds them.
 
     Args:
         state: The optimizer's state.
         plan: The assignment.
+        rule: The factor rule.
+        owned: Whether only owners keep factors.
     """
     me = rank()
     for layer, assignment in plan.items():
-        if assignment.owners[0] != me:
-            kept = state[layer.weight]
-            state[layer.weight] = {k: v for k, v in kept.items() if k in SHELL_KEYS}
+        entries = state[layer.weight]
+        dropped = {
+            key
+            for key in rule_keys(entries, rule, None)
+            if not kept_everywhere(key, rule, owned)
+            and source(key, assignment, rule) != me
+        }
+        if dropped:
+            state[layer.weight] = {k: v for k, v in entries.items() if k not in dropped}
 
 
 def _templates(
@@ -93,33 +114,38 @@ def _templates(
 
 def gather(
     state: State,
-    layers: Sequence[Layer],
     plan: Mapping[Layer, Assignment],
     groups: Sequence[dict[str, Any]],
     rule: FactorRule,
+    *,
+    owned: bool,
 ) -> None:
-    """Give every rank every layer's factor entries from their owners.
+    """Give every rank the entries that only their sources keep.
 
-    A collective: every rank must call it with the same layers and plan.
+    A collective: every rank must call it with the same plan.
 
     Args:
         state: The optimizer's state (entries are added in place).
-        layers: The layers, in the same order on every rank.
-        plan: The assignment under which the owners hold the factors.
+        plan: The assignment under which the sources hold the entries.
         groups: The parameter groups.
         rule: The factor rule.
+        owned: Whether only owners keep factors.
     """
+    layers = list(plan)
     me, templates = rank(), _templates(layers, groups, rule)
     layout: list[list[Item]] = [[] for _ in range(world_size())]
     for layer in layers:
         for key in sorted(templates[layer]):
-            value = templates[layer][key]
-            shape = tuple(value.shape) if isinstance(value, Tensor) else (1,)
-            layout[plan[layer].owners[0]].append(Item(layer, "state", key, shape))
+            if not kept_everywhere(key, rule, owned):
+                shape = shape_of(templates[layer][key])
+                sender = source(key, plan[layer], rule)
+                layout[sender].append(Item(layer, "state", key, shape))
+    sizes = [sum(item.numel for item in share) for share in layout]
+    if not any(sizes):
+        return
     dtype, device = buffer_dtype(layers, groups), layers[0].weight.device
     parts = [_as_tensor(state[item.layer.weight][item.key]) for item in layout[me]]
-    sizes = [sum(item.numel for item in share) for share in layout]
-    with named_collective("Gathering the factors from their owners (state_dict)"):
+    with named_collective("Gathering the state from its owners (state_dict)"):
         buffers = all_gather_parts(parts, sizes, dtype, device)
     for sender, items in enumerate(layout):
         if sender == me:
@@ -162,27 +188,30 @@ def _restore(template: Any, chunk: Tensor, device: torch.device) -> Any:
 
 @contextmanager
 def gathered(
-    state: dict[Parameter, dict[str, Any]],
-    plan: dict[Layer, Assignment],
+    state: State,
+    plan: Mapping[Layer, Assignment],
     groups: Sequence[dict[str, Any]],
     rule: FactorRule,
+    *,
+    owned: bool,
 ) -> Iterator[None]:
-    """Gather every layer's factors onto every rank; drop them again on exit.
+    """Gather the entries kept by their sources only; drop them again on exit.
 
     Args:
         state: The optimizer's state.
         plan: The assignment.
         groups: The parameter groups.
         rule: The factor rule.
+        owned: Whether only owners keep factors.
 
     Yields:
         None.
     """
-    gather(state, list(plan), plan, groups, rule)
+    gather(state, plan, groups, rule, owned=owned)
     try:
         yield
     finally:
-        drop(state, plan)
+        drop(state, plan, rule, owned=owned)
 
 
 def dense_statistics(a: Tensor, g: Tensor) -> tuple[DenseMatrix, DenseMatrix]:

@@ -10,14 +10,15 @@ that depends on how the ranks share work lives here, not in the shell.
 - `Shard` (`"shard"`): each layer's factor work has an owner (or two, one per
   side; see `assignment`), and one `all_gather` per step shares the results
   (see `engine`). With `factors="replicated"` (the default) the owners also
-  send their updated factors, so every rank keeps the whole state: checkpoints
-  work exactly as under `Replicate`. With `factors="owned"` only the owner keeps a
-  layer's factors; every rank then collects the dense statistics
+  send their updated factors, so every rank keeps every factor (the statistics
+  hooks need them); the momenta stay with their owner. `state_dict()` gathers
+  what only owners keep, on every rank — a collective: call it on every rank.
+  With `factors="owned"` only the owner keeps a layer's factors; every rank then
+  collects the dense statistics
   \(U_K = a^\top a\), \(U_C\) (the hooks cannot project without the factors),
   the owners project them (\(\Pi(K^\top U_K K)\), two more products per side),
-  layers are not split (SINGD's sides couple through traces of the
-  owner's statistics), and `state_dict()` gathers the factors from their owners,
-  on every rank (it is a collective: call it on every rank).
+  and layers are not split (SINGD's sides couple through traces of the
+  owner's statistics).
 
 Under FSDP2 (`fully_shard`) every strategy preconditions the row shards of the
 gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
@@ -197,11 +198,12 @@ class DistributionStrategy:
         """
         return nullcontext()
 
-    def loaded(self, state: dict[Parameter, dict[str, Any]]) -> None:
+    def loaded(self, state: dict[Parameter, dict[str, Any]], rule: FactorRule) -> None:
         """Drop what this rank does not keep from a freshly loaded, complete state.
 
         Args:
             state: The optimizer's state.
+            rule: Its factor rule.
         """
 
 
@@ -289,7 +291,7 @@ class Shard(DistributionStrategy):
         state: dict[Parameter, dict[str, Any]],
         rule: FactorRule,
     ) -> None:
-        """Assign the layers' work; move owned factors to their new owners.
+        """Assign the layers' work; move owner-kept state to its new owners.
 
         Args:
             layers: The layers.
@@ -305,11 +307,10 @@ class Shard(DistributionStrategy):
                 "Shard(factors='owned') cannot precondition FSDP2 row shards (every "
                 "rank needs every factor there); use 'shard' or 'replicate'."
             )
-        if self._owned and self.plan:  # gather under the old owners first
-            ownership.gather(state, list(self.plan), self.plan, groups, rule)
+        if self.plan:  # gather under the old owners first
+            ownership.gather(state, self.plan, groups, rule, owned=self._owned)
         self.plan = self.assignments(layers, groups, rule, world_size())
-        if self._owned:
-            ownership.drop(state, self.plan)
+        ownership.drop(state, self.plan, rule, owned=self._owned)
 
     def assignments(
         self,
@@ -375,10 +376,11 @@ class Shard(DistributionStrategy):
         groups: Sequence[dict[str, Any]],
         rule: FactorRule,
     ) -> Any:
-        """Return a context in which `state` holds every layer's factors.
+        """Return a context in which `state` holds every layer's whole state.
 
-        With `factors="owned"` this gathers the factors from their owners (a
-        collective: every rank must enter it) and drops them again on exit.
+        It gathers what only owners keep (the momenta; with `factors="owned"`
+        all factors) from them — a collective: every rank must enter it — and
+        drops it again on exit.
 
         Args:
             state: The optimizer's state.
@@ -389,18 +391,19 @@ class Shard(DistributionStrategy):
         Returns:
             A context manager.
         """
-        if not (self._owned and self.plan and world_size() > 1):
+        if not (self.plan and world_size() > 1):
             return nullcontext()
-        return ownership.gathered(state, self.plan, groups, rule)
+        return ownership.gathered(state, self.plan, groups, rule, owned=self._owned)
 
-    def loaded(self, state: dict[Parameter, dict[str, Any]]) -> None:
-        """Keep only this rank's factors of a loaded state (`factors="owned"`).
+    def loaded(self, state: dict[Parameter, dict[str, Any]], rule: FactorRule) -> None:
+        """Keep only what this rank keeps of a loaded, complete state.
 
         Args:
             state: The optimizer's state.
+            rule: Its factor rule.
         """
-        if self._owned and self.plan and world_size() > 1:
-            ownership.drop(state, self.plan)
+        if self.plan and world_size() > 1:
+            ownership.drop(state, self.plan, rule, owned=self._owned)
 
 
 def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:

@@ -106,7 +106,7 @@ class FactorStatistics:
 
 
 class FactorRule(ABC):
-    """How one kind of optimizer keeps and updates a layer's Kronecker factors.
+    r"""How one kind of optimizer keeps and updates a layer's Kronecker factors.
 
     Attributes:
         factor_sides: `(state prefix, side)` of every factor the rule keeps, side
@@ -118,6 +118,9 @@ class FactorRule(ABC):
             than its statistics and factors, and `preconditioner(..., sides=...)`
             caches products only for `sides` (the record stays correct for both).
             Entries of no side are advanced by every call, also with `sides=()`.
+        owner_state: Prefixes of the entries that only the rank updating their
+            side reads (SINGD's momenta \(m_K\), \(m_C\)): under `Shard` they
+            stay on that rank, and `state_dict()` gathers them.
         reads_preconditioner: Whether `project` and `update` read the
             preconditioner they are given (SINGD: its factors); if not, the
             optimizer passes None and builds none for them (KFAC: no inverse
@@ -126,6 +129,7 @@ class FactorRule(ABC):
 
     factor_sides: tuple[tuple[str, int], ...] = ()
     splits_sides: bool = False
+    owner_state: tuple[str, ...] = ()
     reads_preconditioner: bool = True
 
     @abstractmethod

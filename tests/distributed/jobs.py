@@ -21,6 +21,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import functional as F
 
 from singd_curvlinops import SINGD
+from singd_curvlinops.bench.distributed import (
+    STRATEGIES,
+    Setting,
+    measure_distributed,
+)
 from singd_curvlinops.distributed import bytes_per_step
 from tests.distributed.harness import (
     DENSE,
@@ -114,6 +119,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     ):
         _cross(results, out, saved, loaded)
     _bytes(results)
+    settings = [Setting("cnn", "diagonal", 1, name) for name in STRATEGIES]
+    results["bench"] = measure_distributed(settings, 1, 1, 0)
 
 
 def train_w3(results: dict[str, Any], out: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
 from tests.distributed.harness import TOLERANCE, reference, spawn
 from tests.distributed.jobs import CASES_W2, CASES_W3
 
@@ -187,6 +188,21 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
         assert plain["gather"] == 0
     else:  # the directions travel every step
         assert update["gather"] >= plain["gather"] > 0
+
+
+def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> None:
+    records = w2[0]["bench"]
+    assert [r["strategy"] for r in records] == list(STRATEGIES)
+    replicate, shard, factors, owned = records
+    assert replicate["vs_replicate"] == 1.0 and replicate["factor_vs_replicate"] == 1.0
+    assert all(
+        r["ms_per_step"] > 0 and len(r["block_ms_per_step"]) == 1 for r in records
+    )
+    assert owned["factor_mib"] < shard["factor_mib"] < replicate["factor_mib"]
+    assert factors["factor_mib"] < replicate["factor_mib"]  # momenta on their owners
+    assert replicate["plain_bytes"]["gather"] == 0 < shard["plain_bytes"]["gather"]
+    table = markdown_table(records)
+    assert table.count("\n") == len(records) + 1 and "| cnn | 1 | shard |" in table
 
 
 # ----------------------------------------------------------------------- misuse

@@ -21,6 +21,9 @@ ROOT = Path(__file__).parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY_DEMO = ["demo", "--epochs", "1", "--train-size", "96", "--batch-size", "32"]
 TINY_DEMO += ["--no-progress"]
+TINY_BENCH = ["bench", "--models", "mlp", "--structures", "diagonal", "--T", "1"]
+TINY_BENCH += ["--rounds", "1", "--steps-per-block", "1", "--warmup", "0"]
+TINY_BENCH += ["--no-reference"]
 
 
 def run_module(*args):
@@ -108,13 +111,23 @@ def test_console_script_and_extras_are_declared():
         (["demo", "--optimizers", "sgd:diagonal"], "sgd takes no structure"),
         (["demo", "--optimizers", "singd:banded"], "Unknown structure 'banded'"),
         (["demo", "--plot", "loss.jpg"], "--plot: expected a .png file"),
-        (["demo", "--plot", "no/such/folder/a.png"], "folder 'no/such/folder'"),
+        (
+            ["demo", "--plot", "no/such/folder/a.png"],
+            "--plot: cannot write 'no/such/folder/a.png': folder 'no/such/folder' not",
+        ),
         (["demo", "--batch-size", "0"], "--batch-size: expected a positive"),
         (["demo", "--train-size", "-3"], "--train-size: expected a positive"),
         (["demo", "--train-size", "50"], "--batch-size 64 exceeds the 50 training"),
         (["demo", "--batch-size", "2000"], "exceeds the 1347 training examples"),
-        (["demo", "--seed", "-1"], "--seed: expected a non-negative integer"),
-        (["demo", "--threads", "0"], "--threads: expected a positive integer"),
+        (["demo", "--seed", "-1"], "--seed: expected an integer in [0, 1844674407"),
+        (
+            ["demo", "--seed", str(2**64)],  # torch.manual_seed's limit + 1
+            "--seed: expected an integer in [0, 18446744073709551615] (2**64 - 1), "
+            "got 18446744073709551616",
+        ),
+        (["demo", "--seed", "1e3"], "--seed: expected an integer in [0, 184"),
+        (["demo", "--threads", "0"], "--threads: expected an integer in [1, 21474"),
+        (["demo", "--threads", str(2**31)], "--threads: expected an integer in [1, "),
         (["bench", "--models", "rnn"], "unknown model 'rnn'; choose from mlp, cnn"),
         (["bench", "--models", ","], "give at least one model (mlp, cnn, seq)"),
         (["bench", "--structures", "nonsense"], "Valid names: dense, diagonal"),
@@ -124,8 +137,10 @@ def test_console_script_and_extras_are_declared():
         (["bench", "--rounds", "0"], "--rounds: expected a positive integer"),
         (["bench", "--steps-per-block", "0"], "--steps-per-block: expected a pos"),
         (["bench", "--warmup", "-1"], "--warmup: expected a non-negative integer"),
-        (["bench", "--threads", "0"], "--threads: expected a positive integer"),
+        (["bench", "--threads", "0"], "--threads: expected an integer in [1, "),
+        (["bench", "--threads", str(2**40)], "--threads: expected an integer in [1"),
         (["bench", "--json", "out.txt"], "--json: expected a .json file"),
+        (["bench", "--json", "no/such/dir/a.json"], "folder 'no/such/dir' not found"),
         (["bench", "--T", "1,4", "--steps-per-block", "6"], "not a multiple of T = 4"),
     ],
 )
@@ -135,6 +150,141 @@ def test_bad_arguments_exit_with_a_clear_message(args, message, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and message in err, err
+
+
+# ---------------------------------------------------------------- output files
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder in which no file can be created, by root either."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root ignores permission bits
+        folder = Path("/proc/self")  # nobody creates files here (Linux)
+    assert folder.is_dir() and not os.access(folder, os.W_OK)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "name"),
+    [("demo", "--plot", "curves.png"), ("bench", "--json", "records.json")],
+)
+def test_unwritable_output_files_stop_before_any_work(
+    command, option, name, tmp_path, monkeypatch, capsys
+):
+    started = []
+    monkeypatch.setattr(cli, "run_demo", lambda *args, **kwargs: started.append(1))
+    monkeypatch.setattr(cli, "measure", lambda *args, **kwargs: started.append(1))
+    (tmp_path / name).mkdir()  # a folder with the file's name
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    read_only, missing = unwritable_folder(tmp_path), tmp_path / "missing"
+    cases = [
+        (missing / name, f"folder {str(missing)!r} not found"),
+        (tmp_path / name, "that is a folder"),
+        (f"{tmp_path / 'new'}{os.sep}{name}{os.sep}", "that is a folder"),
+        (tmp_path / "notes.txt" / name, f"{str(tmp_path / 'notes.txt')!r} is not a"),
+        (read_only / name, f"folder {str(read_only)!r} is not writable"),
+    ]
+    for path, reason in cases:
+        with pytest.raises(SystemExit) as info:
+            main([command, option, str(path)])
+        assert info.value.code == 2
+        last_line = capsys.readouterr().err.strip().splitlines()[-1]
+        expected = f"singd-curvlinops {command}: error: argument {option}: "
+        assert last_line.startswith(f"{expected}cannot write {str(path)!r}: ")
+        assert reason in last_line, last_line
+    assert not started, "the run started despite a bad output file"
+    existing = tmp_path / f"old{Path(name).suffix}"
+    existing.write_text("overwritten by the run")
+    assert cli.build_parser().parse_args([command, option, str(existing)])
+
+
+@pytest.mark.parametrize(
+    ("args", "runner", "name"),
+    [
+        ([*TINY_DEMO, "--optimizers", "sgd", "--plot"], "run_demo", "c.png"),
+        ([*TINY_BENCH, "--json"], "measure", "records.json"),
+    ],
+    ids=["demo", "bench"],
+)
+def test_output_folder_removed_during_the_run(
+    args, runner, name, tmp_path, monkeypatch, capsys
+):
+    """The results are still printed, then one line says what was not written."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    run = getattr(cli, runner)
+
+    def run_and_remove_the_folder(*args, **kwargs):
+        results = run(*args, **kwargs)
+        folder.rmdir()
+        return results
+
+    monkeypatch.setattr(cli, runner, run_and_remove_the_folder)
+    assert main([*args, str(folder / name)]) == 1
+    captured = capsys.readouterr()
+    assert table(captured.out)[1], "no results printed"
+    assert "loss curves" not in captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        f"singd-curvlinops {args[0]}: error: cannot write {str(folder / name)!r}: "
+        "No such file or directory"
+    )
+
+
+def test_largest_seed_torch_accepts_runs(tmp_path, capsys):
+    plot = tmp_path / "curves.png"
+    args = ["--optimizers", "sgd", "--plot", str(plot), "--seed", str(2**64 - 1)]
+    assert main([*TINY_DEMO, *args]) == 0
+    assert plot.exists() and "SGD" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------- closed pipes
+def start(*args):
+    """Start `python -m singd_curvlinops ARGS` with piped output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "singd_curvlinops", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def assert_quiet(stderr: bytes) -> None:
+    """No traceback, no 'Exception ignored ... BrokenPipeError' at exit."""
+    text = stderr.decode()
+    for sign in ("Traceback", "BrokenPipeError", "Exception ignored", "Errno 32"):
+        assert sign not in text, text
+
+
+@pytest.mark.parametrize(
+    ("args", "output"),
+    [
+        ([*TINY_DEMO, "--optimizers", "sgd", "--plot"], "curves.png"),
+        ([*TINY_BENCH, "--json"], "records.json"),
+    ],
+    ids=["demo", "bench"],
+)
+def test_output_into_a_pipe_closed_early_ends_quietly(args, output, tmp_path):
+    """The reader is gone before the first line: exit 141, as after SIGPIPE."""
+    process = start(*args, str(tmp_path / output))
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == cli.EXIT_CLOSED_PIPE == 141
+    assert_quiet(stderr)
+    assert (tmp_path / output).stat().st_size > 0, "written before the output"
+
+
+def test_demo_into_head_ends_quietly(tmp_path):
+    """`singd-curvlinops demo | head -1`: head's line, then 0 or 141, no traceback."""
+    demo = start(*TINY_DEMO, "--optimizers", "sgd", "--plot", str(tmp_path / "c.png"))
+    head = subprocess.Popen(["head", "-1"], stdin=demo.stdout, stdout=subprocess.PIPE)
+    demo.stdout.close()  # head holds the only reading end
+    first_line, _ = head.communicate(timeout=120)
+    stderr = demo.stderr.read()
+    assert demo.wait(timeout=120) in (0, cli.EXIT_CLOSED_PIPE)
+    assert first_line == b"\n"  # the demo's output starts with an empty line
+    assert_quiet(stderr)
 
 
 def test_optimizer_names():

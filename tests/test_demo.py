@@ -74,6 +74,9 @@ def test_bad_epochs_and_batch_sizes_are_rejected(digits):
         train(OptimizerSpec("sgd"), small, epochs=1, batch_size=11, seed=0)
     with pytest.raises(ValueError, match="epochs must be >= 1, got 0"):
         train(OptimizerSpec("sgd"), small, epochs=0, batch_size=5, seed=0)
+    for seed in (-1, 2**64, 1.5, True):  # torch.manual_seed's range is 64 bits
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64"):
+            train(OptimizerSpec("sgd"), small, epochs=1, batch_size=5, seed=seed)
 
 
 def test_run_demo_returns_one_result_per_optimizer():

@@ -2,17 +2,18 @@
 
 Each function parses one argument's text for `argparse` (`type=`) and raises
 `argparse.ArgumentTypeError` with a message that names the allowed values, so
-that bad input exits with code 2 before any work starts.
+that bad input exits with code 2 before any work starts. That includes output
+files: a path that cannot be written is reported at parsing, not by a traceback
+after a whole run.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from pathlib import Path
 
 from singd_curvlinops.bench.workloads import MODELS
 from singd_curvlinops.demo.optimizers import OptimizerSpec, parse_optimizers
+from singd_curvlinops.demo.training import MAX_SEED
 from singd_curvlinops.structures import get_structure
 
 
@@ -20,25 +21,30 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the line breaks of descriptions and epilogs (tables, examples)."""
 
 
-def integer(text: str, low: int, kind: str) -> int:
-    """Parse an integer of at least `low`.
+#: `torch.set_num_threads` takes a C int.
+MAX_THREADS = 2**31 - 1
+
+
+def integer(text: str, low: int, kind: str, high: int | None = None) -> int:
+    """Parse an integer in `[low, high]`.
 
     Args:
         text: The argument.
         low: Smallest allowed value.
         kind: Description for the error message, e.g. `"a positive integer"`.
+        high: Largest allowed value; None: no limit.
 
     Returns:
         The integer.
 
     Raises:
-        ArgumentTypeError: If `text` is no integer or below `low`.
+        ArgumentTypeError: If `text` is no integer or out of range.
     """
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
         raise argparse.ArgumentTypeError(f"expected {kind}, got {value}")
     return value
 
@@ -65,6 +71,30 @@ def non_negative_int(text: str) -> int:
         The integer, at least 0.
     """
     return integer(text, 0, "a non-negative integer")
+
+
+def seed(text: str) -> int:
+    """Parse a seed for `torch.manual_seed` (an argparse `type`).
+
+    Args:
+        text: The argument.
+
+    Returns:
+        The seed, in `[0, MAX_SEED]`.
+    """
+    return integer(text, 0, f"an integer in [0, {MAX_SEED}] (2**64 - 1)", MAX_SEED)
+
+
+def threads(text: str) -> int:
+    """Parse a number of torch threads (an argparse `type`).
+
+    Args:
+        text: The argument.
+
+    Returns:
+        The number, in `[1, MAX_THREADS]`.
+    """
+    return integer(text, 1, f"an integer in [1, {MAX_THREADS}]", MAX_THREADS)
 
 
 def comma_list(text: str, what: str) -> list[str]:
@@ -158,35 +188,3 @@ def optimizers(text: str) -> list[OptimizerSpec]:
         return parse_optimizers(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def output_file(suffix: str) -> Callable[[str], Path]:
-    """Return an argparse `type` for a file to write with the given suffix.
-
-    Args:
-        suffix: Required file name ending, e.g. `".png"`.
-
-    Returns:
-        A function that checks the suffix and that the folder exists.
-    """
-
-    def parse(text: str) -> Path:
-        """Check an output path.
-
-        Args:
-            text: The path.
-
-        Returns:
-            The path.
-
-        Raises:
-            ArgumentTypeError: If the suffix is wrong or the folder is missing.
-        """
-        path = Path(text)
-        if path.suffix.lower() != suffix:
-            raise argparse.ArgumentTypeError(f"expected a {suffix} file, got {text!r}")
-        if not path.parent.is_dir():
-            raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} not found")
-        return path
-
-    return parse

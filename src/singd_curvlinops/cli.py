@@ -6,9 +6,15 @@
 - `singd-curvlinops bench`: time and memory per training step of SINGD per
   structure, the reference `singd`, KFAC, AdamW and SGD, interleaved in one process;
   print Markdown tables.
+- `singd-curvlinops compare`: a tuned comparison of SINGD, IKFAC, KFAC and
+  first-order and Shampoo-family baselines on several workloads, as Optuna studies
+  (`singd_curvlinops.compare`); a Markdown report, JSON and figures.
 
 `main(argv)` parses `argv` (default: `sys.argv[1:]`) and returns the exit code;
-bad arguments exit with code 2 and a message that names the allowed values.
+bad arguments, unwritable output files included, exit with code 2 and a message that
+names the allowed values before any work starts. Output into a pipe that its reader
+has closed (`singd-curvlinops demo | head -1`) ends the program quietly with exit
+code 141, as if stopped by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import warnings
 import torch
 
 from singd_curvlinops import _arguments as arguments
+from singd_curvlinops._paths import output_file, report_write_failure, write_output
 from singd_curvlinops.bench.configurations import configurations, reference_version
 from singd_curvlinops.bench.distributed import run_distributed_bench
 from singd_curvlinops.bench.optimizer import measure
 from singd_curvlinops.bench.report import markdown_table, preamble
 from singd_curvlinops.bench.workloads import MODELS
+from singd_curvlinops.compare import command as compare_command
 from singd_curvlinops.demo import MissingExtraError, run_demo
 from singd_curvlinops.demo.optimizers import DEFAULT_OPTIMIZERS
 from singd_curvlinops.demo.report import plot_losses, results_table
@@ -34,6 +42,9 @@ from singd_curvlinops.demo.training import TRAIN_EXAMPLES
 
 BENCH_STRUCTURES = "dense, diagonal, block30diagonal, hierarchical15_15, triltoeplitz"
 DEMO_PLOT = "singd-curvlinops-demo.png"
+#: Exit status after a closed output pipe: that of a process stopped by SIGPIPE
+#: (128 + 13), which is what shells report for `yes | head -1`.
+EXIT_CLOSED_PIPE = 141
 
 
 _DEMO_DESCRIPTION = """\
@@ -105,20 +116,22 @@ distributed (--distributed, started by torchrun; gloo on CPU):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the parser with the subcommands `demo` and `bench`.
+    """Build the parser with the subcommands `demo`, `bench` and `compare`.
 
     Returns:
         The parser.
     """
     parser = argparse.ArgumentParser(
         prog="singd-curvlinops",
-        description="SINGD on curvlinops: a training demo and a step benchmark.",
+        description="SINGD on curvlinops: a training demo, a step benchmark and a "
+        "tuned optimizer comparison.",
         epilog="Run `singd-curvlinops COMMAND --help` for a command's options.",
         formatter_class=arguments.Formatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(commands)
     _add_bench(commands)
+    compare_command.add_parser(commands)
     return parser
 
 
@@ -152,7 +165,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--plot",
-        type=arguments.output_file(".png"),
+        type=output_file(".png"),
         default=DEMO_PLOT,
         metavar="PATH",
         help="PNG file for the loss curves (default: %(default)s)",
@@ -174,14 +187,15 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--seed",
-        type=arguments.non_negative_int,
+        type=arguments.seed,
         default=0,
         metavar="N",
-        help="seed of the initial weights and the data order (default: %(default)s)",
+        help="seed of the initial weights and the data order, in [0, 2**64 - 1] "
+        "(default: %(default)s)",
     )
     add(
         "--threads",
-        type=arguments.positive_int,
+        type=arguments.threads,
         default=1,
         metavar="N",
         help="torch threads (default: %(default)s; the demo's layers are too small "
@@ -250,7 +264,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--threads",
-        type=arguments.positive_int,
+        type=arguments.threads,
         default=None,
         metavar="N",
         help="torch threads (default: torch's choice)",
@@ -263,7 +277,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--json",
-        type=arguments.output_file(".json"),
+        type=output_file(".json"),
         default=None,
         metavar="PATH",
         help="also write all records to this JSON file",
@@ -273,11 +287,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     """Run `singd-curvlinops demo`.
 
+    The plot is written before the table is printed, so that it exists even if
+    the reader of the output stops early (`singd-curvlinops demo | head -3`).
+
     Args:
         args: The parsed arguments.
 
     Returns:
-        Exit code 0.
+        Exit code 0, or 1 if the plot could not be written.
     """
     results = run_demo(
         args.optimizers,
@@ -287,9 +304,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
+    failure = write_output(lambda: plot_losses(results, args.plot))
     print()
     print(results_table(results))
-    plot_losses(results, args.plot)
+    if failure is not None:
+        return report_write_failure("demo", args.plot, failure)
     print(f"\nloss curves: {args.plot}")
     return 0
 
@@ -301,7 +320,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         args: The parsed arguments.
 
     Returns:
-        Exit code 0.
+        Exit code 0, or 1 if the JSON file could not be written.
     """
     if args.distributed:
         return run_distributed_bench(args)
@@ -318,6 +337,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             args.warmup,
             progress=lambda line: print(line, file=sys.stderr),
         )
+    content = json.dumps(records, indent=2)
+    failure = args.json and write_output(lambda: args.json.write_text(content, "utf-8"))
     text = preamble(
         torch_version=torch.__version__,
         threads=torch.get_num_threads(),
@@ -331,20 +352,29 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"### {model}\n")
         print(markdown_table(records, model))
         print()
-    _write_json(args.json, records)
+    if failure is not None:
+        return report_write_failure("bench", args.json, failure)
     return 0
 
 
-def _write_json(path: str | None, records: list) -> None:
-    """Write the records to a JSON file, if a path was given.
+def _closed_pipe() -> int:
+    """End quietly after the reader of the output went away (`... | head -1`).
 
-    Args:
-        path: The file, or None.
-        records: The benchmark's records.
+    As the Python documentation recommends for `BrokenPipeError`, the standard
+    streams are pointed at the null device, so that the interpreter's final flush
+    of pending output cannot fail a second time and print a traceback.
+
+    Returns:
+        `EXIT_CLOSED_PIPE`.
     """
-    if path is not None:
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(records, file, indent=2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor
+            pass
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
 
 
 def _check_combinations(
@@ -363,7 +393,7 @@ def _check_combinations(
                 f"demo: --batch-size {args.batch_size} exceeds the {n_train} "
                 "training examples."
             )
-    else:
+    elif args.command == "bench":
         if args.distributed and "WORLD_SIZE" not in os.environ:
             parser.error(
                 "bench --distributed runs on the processes of torchrun: start it "
@@ -386,8 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; default: `sys.argv[1:]`.
 
     Returns:
-        The exit code: 0 on success, 1 if the demo's `examples` extra is missing.
-        Bad arguments and `--help` exit through `SystemExit` (codes 2 and 0).
+        The exit code: 0 on success, 1 if an extra (`examples` for the demo,
+        `compare` for compare) is missing or an output file cannot be written
+        after all, 130 if compare was interrupted, 141 if the reader of the output
+        closed the pipe. Bad arguments and `--help` exit through `SystemExit`
+        (codes 2 and 0).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -396,11 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        if args.command == "demo":
-            return _run_demo(args)
-        return _run_bench(args)
+        runners = {"demo": _run_demo, "compare": compare_command.run}
+        code = runners.get(args.command, _run_bench)(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the final flush
+        return code
     except MissingExtraError as error:
         print(f"singd-curvlinops {args.command}: error: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        return _closed_pipe()
     finally:  # main may run inside a larger program (tests, notebooks)
         torch.set_num_threads(threads)

@@ -19,7 +19,14 @@ def test_benchmark_reports_ours_and_reference(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "args", [["--structures", "nonsense"], ["--dims", "0"], ["--dims", "a"]]
+    "args",
+    [
+        ["--structures", "nonsense"],
+        ["--dims", "0"],
+        ["--dims", "a"],
+        ["--json", "missing-folder/records.json"],
+        ["--json", "records.txt"],
+    ],
 )
 def test_benchmark_rejects_bad_arguments(args, capsys):
     with pytest.raises(SystemExit) as info:

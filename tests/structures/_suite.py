@@ -155,6 +155,18 @@ class StructureSuite:
         with pytest.raises(ValueError, match="X must have shape"):
             K.from_inner_(X[:, 0])
 
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+    def test_operands_without_columns(self, dim: int, dtype: torch.dtype) -> None:
+        """`[d, 0]` operands: empty products, zero projections (Toeplitz FFT failed)."""
+        K = self.invertible_element(dim)[0].to(dtype)
+        E = torch.zeros(dim, 0, dtype=dtype)
+        for result in (K @ E, K.rmatmat(E), K.solve(E), K.rsolve(E), K.matmat_(E)):
+            assert result.shape == (dim, 0) and result.dtype == dtype
+        zero = torch.zeros(dim, dim, dtype=dtype)
+        for H in (K.from_inner(E), K.from_inner_(E), self.cls.from_mat_inner(E)):
+            assert type(H) is self.cls and H.dtype == dtype
+            assert torch.equal(H.to_dense(), zero)
+
     def test_rmatmat(self, dim: int) -> None:
         K, K_dense = self.random_element(dim)
         V, v = (

@@ -45,11 +45,56 @@ def test_families_any_size():
 
 @pytest.mark.parametrize(
     "name",
-    ["Dense", "block0diagonal", "blockdiagonal", "hierarchical15", "toeplitz", ""],
+    ["Dense", "blockdiagonal", "hierarchical15", "toeplitz", "", "block\u0663diagonal"],
 )
 def test_unknown_names_list_the_valid_ones(name):
+    """Sizes are ASCII digits: int() would read "\u0663" (Arabic-Indic) as 3."""
     with pytest.raises(ValueError, match="Valid names: .*dense.*block\\{B\\}diagonal"):
         get_structure(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("block0diagonal", r"B must be in \[1, 2147483647\], got 0\."),
+        ("block2147483648diagonal", r"B must be in \[1, 2147483647\], got 2147483648"),
+        ("block" + "1" * 21 + "diagonal", "B must be in .*, got 21 digits"),
+        ("block" + "9" * 5000 + "diagonal", r"B must be in .*, got 5000 digits\."),
+        (
+            "hierarchical1_" + "1" * 20,
+            r"K2 must be in \[0, 2147483647\], got 20 digits",
+        ),
+        ("hierarchical4294967296_1", "K1 must be in .*, got 4294967296"),
+        ("block030diagonal", "write B without leading zeros"),
+        ("hierarchical00_1", "write K1 without leading zeros"),
+    ],
+)
+def test_absurd_family_sizes_fail_the_name_check(name, message):
+    """They used to pass it and overflow later, inside torch."""
+    with pytest.raises(ValueError, match=f"Unknown structure .*; {message}"):
+        get_structure(name)
+
+
+def test_largest_family_sizes_work():
+    Block = get_structure("block2147483647diagonal")
+    assert Block.BLOCK_DIM == 2**31 - 1
+    assert torch.equal(Block.eye(3).to_dense(), torch.eye(3))
+    H = get_structure("hierarchical2147483647_0")
+    assert torch.equal((H.eye(3) @ torch.ones(3)), torch.ones(3))
+    with pytest.raises(ValueError, match="block_dim must be in"):
+        block_diagonal(2**31)
+
+
+def test_family_sizes_of_other_types_are_rejected_after_valid_ones():
+    """1.0 and True hash like 1: the class cache must not answer before the check."""
+    assert hierarchical(1, 2) is hierarchical(1, 2)
+    assert block_diagonal(1) is block_diagonal(1)
+    for K1 in (1.0, True):
+        with pytest.raises(TypeError, match="K1 must be an int"):
+            hierarchical(K1, 2)
+    for B in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="block_dim must be an int"):
+            block_diagonal(B)
 
 
 def test_name_must_be_a_string():
@@ -85,8 +130,12 @@ def test_register_user_structure_with_dense_fallbacks():
     try:
         cls = get_structure("scaledidentity")
         assert cls is ScaledIdentity and "scaledidentity" in structure_names()
-        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.eye"):
+        with pytest.warns(DenseFallbackWarning, match="ScaledIdentity.eye") as caught:
             K = cls.eye(3, dtype=torch.float64)
+        assert caught[0].filename == __file__  # the caller, not the package
+        with pytest.warns(DenseFallbackWarning, match="diag_add_") as caught:
+            K.clone().diag_add_(1.0)
+        assert caught[0].filename == __file__
         with pytest.warns(DenseFallbackWarning):
             X = torch.randn(3, 2, dtype=torch.float64)
             H = K.from_inner(X)

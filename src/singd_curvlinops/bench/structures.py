@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from singd_curvlinops._paths import output_file
 from singd_curvlinops.structures import get_structure
 
 DEFAULT_STRUCTURES = (
@@ -228,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cols", type=int, default=128, help="columns of X and V")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     parser.add_argument("--budget", type=float, default=0.05, help="s per loop")
-    parser.add_argument("--json", default=None, help="also write records here")
+    parser.add_argument(
+        "--json",
+        type=output_file(".json"),
+        default=None,
+        help="also write records here",
+    )
     args = parser.parse_args(argv)
     try:
         dims = [int(d) for d in args.dims.split(",")]

@@ -18,7 +18,7 @@ EXTRA_MODULES = {"matplotlib": "matplotlib", "sklearn": "scikit-learn", "tqdm": 
 
 
 class MissingExtraError(ImportError):
-    """A package of the `examples` extra is not installed."""
+    """A package of an optional extra (`examples`, `compare`) is not installed."""
 
 
 def require_examples() -> None:

@@ -21,6 +21,9 @@ from singd_curvlinops.demo.optimizers import OptimizerSpec, build_optimizer
 
 TRAIN_EXAMPLES = 1347  # 75% of scikit-learn's 1,797 digits
 TEST_EXAMPLES = 450
+#: The largest seed `torch.manual_seed` accepts (it reads seeds as 64-bit integers;
+#: negative ones alias positive ones and are not used here).
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,30 @@ def _accuracy(model: nn.Module, X: Tensor, y: Tensor) -> float:
         return (model(X).argmax(-1) == y).float().mean().item()
 
 
+def _check_options(epochs: int, batch_size: int, seed: int, n_train: int) -> None:
+    """Check the options of `train`.
+
+    Args:
+        epochs: Number of epochs.
+        batch_size: Mini-batch size.
+        seed: Seed.
+        n_train: Number of training examples.
+
+    Raises:
+        ValueError: If `epochs` < 1, `batch_size` is not in `[1, n_train]`, or
+            `seed` is not an int in `[0, MAX_SEED]`.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}.")
+    if not 1 <= batch_size <= n_train:
+        raise ValueError(
+            f"batch_size must be in [1, {n_train}] (the training examples), "
+            f"got {batch_size}."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**64 - 1], got {seed!r}.")
+
+
 def train(
     spec: OptimizerSpec,
     data: Digits,
@@ -150,25 +177,17 @@ def train(
         data: The digits.
         epochs: Number of epochs.
         batch_size: Mini-batch size, at most the number of training examples.
-        seed: Seed of the initial weights and of the data order.
+        seed: Seed of the initial weights and of the data order, in
+            `[0, MAX_SEED]`.
         progress: Show a tqdm progress bar on standard error.
 
     Returns:
         The run's result.
-
-    Raises:
-        ValueError: If `epochs` < 1, or `batch_size` is not in `[1, n_train]`.
     """
     from tqdm import tqdm
 
     n_train = len(data.y_train)
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}.")
-    if not 1 <= batch_size <= n_train:
-        raise ValueError(
-            f"batch_size must be in [1, {n_train}] (the training examples), "
-            f"got {batch_size}."
-        )
+    _check_options(epochs, batch_size, seed, n_train)
     model = make_model(seed)
     optimizer = build_optimizer(spec, model)
     generator = torch.Generator().manual_seed(seed)

@@ -106,6 +106,8 @@ def _filter(c: Tensor, V: Tensor, conjugate: bool, n_fft: int | None = None) -> 
         Matrix of shape `[d, n]` in `V`'s dtype (a transposed view).
     """
     dim = c.shape[0]
+    if V.shape[1] == 0:  # no columns: nothing to transform (an FFT of none fails)
+        return V.new_empty(V.shape)
     n_fft = n_fft or _fft_size(dim)
     dtype = _compute_dtype(V.dtype)
     c_hat = torch.fft.rfft(c.to(dtype), n=n_fft)
@@ -200,9 +202,11 @@ def diagonal_sums_of_gram(X: Tensor) -> Tensor:
         X: Matrix of shape `[d, n]`.
 
     Returns:
-        Vector of shape `[d]` in `X`'s dtype.
+        Vector of shape `[d]` in `X`'s dtype; zeros if `X` has no columns.
     """
     dim, n_fft = X.shape[0], _fft_size(X.shape[0])
+    if X.shape[1] == 0:  # the empty sum (an FFT of no columns fails)
+        return X.new_zeros(dim)
     X_hat = torch.fft.rfft(_columns_as_rows(X, _compute_dtype(X.dtype), n_fft))
     # |X̂|² summed over columns: the real and imaginary parts side by side in one
     # contiguous row per column, reduced along dim 0 (10-20x faster on a CPU

@@ -15,18 +15,27 @@ Contract for subclasses:
   matrix onto the structure, with \(\Pi(I) = I\)), `to_dense` and
   `_matmul_structure` (the product of two matrices of the structure). Everything
   else has a dense fallback here that emits a `DenseFallbackWarning`. The built-in
-  structures override every operation the optimizer uses (`dim`, `zeros`, `eye`,
-  `from_mat_inner`, `_matmat`, `_rmatmat`, `_solve`, `_rsolve`,
-  `_from_inner_identity`, `diag_add_`, `average_trace`, `frobenius_norm`), and the
-  tests assert that no fallback fires.
+  structures override every operation the optimizer uses (`dim`, `_zeros`, `_eye`,
+  `_from_mat_inner`, `_matmat`, `_rmatmat`, `_solve`, `_rsolve`,
+  `_from_inner_identity`, `_diag_add_inplace`, `average_trace`,
+  `frobenius_norm`), and the tests assert that no fallback fires.
+- The public methods validate their arguments and then call the private hooks
+  (`eye` calls `_eye`, `K @ V` calls `_matmat`, ...), so a hook receives only valid
+  arguments: dimensions in `[1, MAX_SIZE]`, floating-point dtypes, operands
+  `[d, n]` (`n >= 0`) of the matrix's dtype and device, real scalars. Bad
+  arguments raise `TypeError` (wrong kind) or `ValueError` (wrong value) naming
+  the argument and what is allowed. On the hot path the valid case is tested in one
+  cheap expression first; the detailed checks run only to explain a failure.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from numbers import Real
 from typing import Any
 
 import torch
@@ -34,13 +43,19 @@ import torch.distributed as dist
 from torch import Size, Tensor
 
 from singd_curvlinops.structures._checks import (
-    check_dim,
+    FLOAT_DTYPES,
+    REAL_DTYPES,
+    check_device,
+    check_dtype,
+    check_float_tensor,
     check_operand,
+    check_scalar,
+    check_size,
     check_square,
 )
 from singd_curvlinops.structures._linalg import solve_dense
 
-Scalar = float | int | Tensor
+Scalar = Real | Tensor
 
 
 class DenseFallbackWarning(UserWarning):
@@ -54,7 +69,19 @@ class StructuredMatrix(ABC):
     Operators follow `torch.Tensor`: `K @ V` multiplies a tensor `V` of shape
     `[d]` or `[d, n]` (or a structure of the same class and dimension), `K + L`
     adds, `K * s` scales, and the in-place methods return `self` so calls chain.
+
+    Every public method checks its arguments and raises `TypeError` for one of the
+    wrong kind (not a tensor, an integer or complex tensor or dtype, a vector where
+    a scalar belongs) and `ValueError` for a wrong value (a shape, dtype or device
+    that does not match the matrix, a dimension out of range); the message names the
+    argument and what is allowed, and a failed in-place method leaves the matrix
+    unchanged. Operands may have zero columns.
     """
+
+    # NumPy must not broadcast its arrays over a matrix (`ndarray * K` would build an
+    # object array of matrices): its operators return NotImplemented, so Python
+    # raises a TypeError, and `K * numpy_scalar` is handled by `__mul__`.
+    __array_ufunc__ = None
 
     def __init__(self) -> None:
         """Start with an empty tensor registry."""
@@ -64,17 +91,33 @@ class StructuredMatrix(ABC):
     def register_tensor(self, tensor: Tensor, name: str) -> None:
         """Store `tensor` as part of the matrix under the attribute `name`.
 
+        All stored tensors of a matrix share one floating-point dtype and one device.
+
         Args:
             tensor: A parameter tensor of the structure.
             name: Attribute name under which the tensor becomes available.
 
         Raises:
-            TypeError: If `tensor` is not a `torch.Tensor`.
-            ValueError: If `name` is already in use.
+            ValueError: If `name` is already in use, or `tensor`'s dtype or device
+                differs from that of the tensors registered before.
         """
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor)}.")
-        if name in self._tensor_names or hasattr(self, name):
+        names = self._tensor_names
+        if names:  # every result of an operation passes here: test cheaply first
+            first = getattr(self, names[0])
+            if not (
+                isinstance(tensor, Tensor)
+                and tensor.dtype is first.dtype  # dtypes are singletons
+                and ((tensor.is_cpu and first.is_cpu) or tensor.device == first.device)
+            ):
+                check_float_tensor(tensor, name)
+                raise ValueError(
+                    f"The tensor {name!r} ({tensor.dtype}, {tensor.device}) must have "
+                    f"the dtype and device of {names[0]!r} "
+                    f"({first.dtype}, {first.device})."
+                )
+        elif not (isinstance(tensor, Tensor) and tensor.dtype in FLOAT_DTYPES):
+            check_float_tensor(tensor, name)  # raises; later tensors match this one
+        if name in names or hasattr(self, name):
             raise ValueError(f"Tensor name {name!r} is already in use.")
         setattr(self, name, tensor)
         self._tensor_names.append(name)
@@ -180,8 +223,19 @@ class StructuredMatrix(ABC):
 
         Returns:
             A matrix of the same class (`self` is left unchanged).
+
+        Raises:
+            TypeError: If the target dtype is not floating-point.
         """
-        return self._map_tensors(lambda tensor: tensor.to(*args, **kwargs))
+        moved = self._map_tensors(lambda tensor: tensor.to(*args, **kwargs))
+        if moved.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"A structured matrix must keep a floating-point dtype, got "
+                f"{moved.dtype} from to({', '.join(map(repr, args))}"
+                f"{', ' if args and kwargs else ''}"
+                f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())})."
+            )
+        return moved
 
     def clone(self) -> StructuredMatrix:
         """Return a copy that shares no memory with `self`.
@@ -226,16 +280,18 @@ class StructuredMatrix(ABC):
         r"""Return the zero matrix of dimension `dim`.
 
         Args:
-            dim: Dimension \(d \ge 1\).
-            dtype: Data type; default: `torch.get_default_dtype()`.
+            dim: Dimension \(d\), an int in `[1, MAX_SIZE]` (\(2^{31} - 1\)).
+            dtype: `torch.float16`, `bfloat16`, `float32` or `float64`; default:
+                `torch.get_default_dtype()`.
             device: Device; default: the CPU.
 
         Returns:
             The zero matrix.
         """
-        cls._warn_dense_fallback("zeros")
-        dim = check_dim(dim)
-        return cls.from_dense(torch.zeros(dim, dim, dtype=dtype, device=device))
+        check_size(dim, "dim", 1)
+        check_dtype(dtype)
+        check_device(device)
+        return cls._zeros(dim, dtype, device)
 
     @classmethod
     def eye(
@@ -247,15 +303,51 @@ class StructuredMatrix(ABC):
         r"""Return the identity matrix of dimension `dim`.
 
         Args:
-            dim: Dimension \(d \ge 1\).
-            dtype: Data type; default: `torch.get_default_dtype()`.
+            dim: Dimension \(d\), an int in `[1, MAX_SIZE]` (\(2^{31} - 1\)).
+            dtype: `torch.float16`, `bfloat16`, `float32` or `float64`; default:
+                `torch.get_default_dtype()`.
             device: Device; default: the CPU.
 
         Returns:
             The identity matrix.
         """
+        check_size(dim, "dim", 1)
+        check_dtype(dtype)
+        check_device(device)
+        return cls._eye(dim, dtype, device)
+
+    @classmethod
+    def _zeros(
+        cls, dim: int, dtype: torch.dtype | None, device: torch.device | str | None
+    ) -> StructuredMatrix:
+        """Return the zero matrix for validated arguments (see `zeros`).
+
+        Args:
+            dim: Dimension.
+            dtype: Floating-point dtype or None.
+            device: Device or None.
+
+        Returns:
+            The zero matrix.
+        """
+        cls._warn_dense_fallback("zeros")
+        return cls.from_dense(torch.zeros(dim, dim, dtype=dtype, device=device))
+
+    @classmethod
+    def _eye(
+        cls, dim: int, dtype: torch.dtype | None, device: torch.device | str | None
+    ) -> StructuredMatrix:
+        """Return the identity matrix for validated arguments (see `eye`).
+
+        Args:
+            dim: Dimension.
+            dtype: Floating-point dtype or None.
+            device: Device or None.
+
+        Returns:
+            The identity matrix.
+        """
         cls._warn_dense_fallback("eye")
-        dim = check_dim(dim)
         return cls.from_dense(torch.eye(dim, dtype=dtype, device=device))
 
     @classmethod
@@ -263,13 +355,27 @@ class StructuredMatrix(ABC):
         r"""Return \(\Pi(X X^\top)\).
 
         Args:
+            X: Floating-point matrix of shape `[d, n]` with `d >= 1` and `n >= 0`
+                (no columns: the zero matrix).
+
+        Returns:
+            The projection of \(X X^\top\) onto the structure, in `X`'s dtype and
+            on its device.
+        """
+        check_operand(X, None, None, None, "X", matrix_only=True)
+        return cls._from_mat_inner(X)
+
+    @classmethod
+    def _from_mat_inner(cls, X: Tensor) -> StructuredMatrix:
+        r"""Return \(\Pi(X X^\top)\) for a validated `X` (see `from_mat_inner`).
+
+        Args:
             X: Matrix of shape `[d, n]`.
 
         Returns:
-            The projection of \(X X^\top\) onto the structure.
+            The projected matrix.
         """
         cls._warn_dense_fallback("from_mat_inner")
-        X = check_operand(X, None, None, "X", matrix_only=True)
         return cls.from_dense(X @ X.T)
 
     # ----------------------------------------------------------------- products
@@ -287,7 +393,7 @@ class StructuredMatrix(ABC):
             return self._matmul_structure(other)
         if not isinstance(other, Tensor):
             return NotImplemented
-        V = check_operand(other, self.dim, self.dtype, "other")
+        V = self._check_operand(other, "other")
         return _on_columns(self._matmat, V)
 
     def matmat_(self, mat: Tensor) -> Tensor:
@@ -304,7 +410,7 @@ class StructuredMatrix(ABC):
         Returns:
             \(K V\), shape `[d, n]`: `mat` itself or a new tensor.
         """
-        V = check_operand(mat, self.dim, self.dtype, "mat", matrix_only=True)
+        V = self._check_operand(mat, "mat", matrix_only=True)
         return self._matmat_inplace(V)
 
     def _matmat_inplace(self, V: Tensor) -> Tensor:
@@ -327,7 +433,7 @@ class StructuredMatrix(ABC):
         Returns:
             Tensor with the shape of `mat`.
         """
-        V = check_operand(mat, self.dim, self.dtype, "mat")
+        V = self._check_operand(mat, "mat")
         return _on_columns(self._rmatmat, V)
 
     def solve(self, mat: Tensor) -> Tensor:
@@ -345,7 +451,7 @@ class StructuredMatrix(ABC):
         Returns:
             Tensor with the shape of `mat`.
         """
-        V = check_operand(mat, self.dim, self.dtype, "mat")
+        V = self._check_operand(mat, "mat")
         return _on_columns(self._solve, V)
 
     def rsolve(self, mat: Tensor) -> Tensor:
@@ -360,7 +466,7 @@ class StructuredMatrix(ABC):
         Returns:
             Tensor with the shape of `mat`.
         """
-        V = check_operand(mat, self.dim, self.dtype, "mat")
+        V = self._check_operand(mat, "mat")
         return _on_columns(self._rsolve, V)
 
     def _matmat(self, V: Tensor) -> Tensor:
@@ -437,7 +543,7 @@ class StructuredMatrix(ABC):
         """
         if X is None:
             return self._from_inner_identity()
-        X = check_operand(X, self.dim, self.dtype, "X", matrix_only=True)
+        X = self._check_operand(X, "X", matrix_only=True)
         return self._from_inner(X)
 
     def from_inner_(self, X: Tensor) -> StructuredMatrix:
@@ -453,7 +559,7 @@ class StructuredMatrix(ABC):
         Returns:
             The projected matrix.
         """
-        X = check_operand(X, self.dim, self.dtype, "X", matrix_only=True)
+        X = self._check_operand(X, "X", matrix_only=True)
         return self._from_inner_inplace(X)
 
     def _from_inner_inplace(self, X: Tensor) -> StructuredMatrix:
@@ -476,7 +582,7 @@ class StructuredMatrix(ABC):
         Returns:
             The projected matrix.
         """
-        return self.from_mat_inner(self._rmatmat(X))
+        return self._from_mat_inner(self._rmatmat(X))
 
     def _from_inner_identity(self) -> StructuredMatrix:
         r"""Return \(\Pi(K^\top K)\).
@@ -530,7 +636,7 @@ class StructuredMatrix(ABC):
         return self.clone().add_(other, alpha=-1.0)
 
     def __mul__(self, scalar: Scalar) -> StructuredMatrix:
-        """Multiply by a scalar (a number or a 0-d tensor).
+        """Multiply by a scalar (a real number or a 0-d real tensor).
 
         Args:
             scalar: The factor.
@@ -538,8 +644,9 @@ class StructuredMatrix(ABC):
         Returns:
             The scaled matrix, a new matrix.
         """
-        if not _is_scalar(scalar):
+        if not isinstance(scalar, (Real, Tensor)):
             return NotImplemented
+        self._check_scalar(scalar, "scalar")
         return self._map_tensors(lambda tensor: tensor * scalar)
 
     __rmul__ = __mul__
@@ -556,18 +663,15 @@ class StructuredMatrix(ABC):
         """Add `alpha * other` in place.
 
         Args:
-            other: Structure of the same class and dimension.
-            alpha: Scalar factor (a number or a 0-d tensor, which stays on device).
+            other: Structure of the same class, dimension, dtype and device.
+            alpha: Real scalar factor (a number, or a 0-d tensor on the CPU or the
+                matrix's device, which stays there: no host synchronisation).
 
         Returns:
             `self`.
-
-        Raises:
-            TypeError: If `alpha` is not a scalar.
         """
         _check_same_structure(self, other, "add")
-        if not _is_scalar(alpha):
-            raise TypeError(f"alpha must be a number or a 0-d tensor, got {alpha!r}.")
+        self._check_scalar(alpha, "alpha")
         if isinstance(alpha, Tensor):
             torch._foreach_add_(
                 self.tensors(), torch._foreach_mul(other.tensors(), alpha)
@@ -580,25 +684,38 @@ class StructuredMatrix(ABC):
         """Multiply by a scalar in place.
 
         Args:
-            value: Scalar factor (a number or a 0-d tensor).
+            value: Real scalar factor (a number, or a 0-d tensor on the CPU or the
+                matrix's device).
 
         Returns:
             `self`.
-
-        Raises:
-            TypeError: If `value` is not a scalar.
         """
-        if not _is_scalar(value):
-            raise TypeError(f"value must be a number or a 0-d tensor, got {value!r}.")
+        self._check_scalar(value, "value")
         for tensor in self.tensors():
             tensor.mul_(value)
         return self
 
     def diag_add_(self, value: Scalar) -> StructuredMatrix:
-        """Add `value` to every diagonal entry in place.
+        r"""Add `value` to every diagonal entry in place, \(K \gets K + v I\).
+
+        Only a scalar is accepted: a vector added to the diagonal would take most
+        structures out of their set (a Toeplitz matrix has one value per diagonal).
 
         Args:
-            value: Scalar (a number or a 0-d tensor).
+            value: Real scalar (a number, or a 0-d tensor on the CPU or the
+                matrix's device).
+
+        Returns:
+            `self`.
+        """
+        self._check_scalar(value, "value")
+        return self._diag_add_inplace(value)
+
+    def _diag_add_inplace(self, value: Scalar) -> StructuredMatrix:
+        """Add a validated scalar `value` to every diagonal entry in place.
+
+        Args:
+            value: Real scalar (a number or a 0-d tensor).
 
         Returns:
             `self`.
@@ -674,18 +791,70 @@ class StructuredMatrix(ABC):
         return self
 
     # ------------------------------------------------------------------ helpers
+    def _check_operand(
+        self, mat: Tensor, name: str, matrix_only: bool = False
+    ) -> Tensor:
+        """Validate a dense operand: `[d]` or `[d, n]`, the matrix's dtype and device.
+
+        The valid case is tested in one expression (this runs on every product);
+        only a failing operand goes through the detailed checks.
+
+        Args:
+            mat: Candidate operand.
+            name: Argument name used in error messages.
+            matrix_only: Accept only matrices `[d, n]`.
+
+        Returns:
+            `mat`.
+        """
+        stored = getattr(self, self._tensor_names[0])
+        if (
+            type(mat) is Tensor
+            and mat.dtype == stored.dtype
+            and mat.device == stored.device
+            and (mat.ndim == 2 or (mat.ndim == 1 and not matrix_only))
+            and mat.shape[0] == self.dim
+        ):
+            return mat
+        return check_operand(
+            mat, self.dim, stored.dtype, stored.device, name, matrix_only
+        )
+
+    def _check_scalar(self, value: object, name: str) -> None:
+        """Validate a scalar argument (a float or a 0-d tensor passes at once).
+
+        Args:
+            value: Candidate scalar.
+            name: Argument name used in error messages.
+        """
+        if type(value) is float or (
+            type(value) is Tensor
+            and value.ndim == 0
+            and value.dtype in REAL_DTYPES
+            and (value.is_cpu or value.device == self.device)
+        ):
+            return
+        check_scalar(value, name, self.device)
+
     @classmethod
     def _warn_dense_fallback(cls, method: str) -> None:
         """Warn that `method` of `cls` goes through a dense matrix.
 
+        The warning names the first caller outside this package's structures (the
+        public method and its hook sit at different depths).
+
         Args:
             method: Name of the method that falls back.
         """
+        frame, level = sys._getframe(1), 2
+        inside = f"{__package__}."
+        while frame.f_back and frame.f_globals.get("__name__", "").startswith(inside):
+            frame, level = frame.f_back, level + 1
         warnings.warn(
             f"{cls.__name__}.{method} falls back to a dense matrix; implement it "
             "using the structure to save time and memory.",
             DenseFallbackWarning,
-            stacklevel=3,
+            stacklevel=level,
         )
 
     @staticmethod
@@ -699,18 +868,6 @@ class StructuredMatrix(ABC):
             `sym_mat`.
         """
         return check_square(sym_mat, "sym_mat")
-
-    @staticmethod
-    def _check_dim(dim: int) -> int:
-        """Validate a dimension argument.
-
-        Args:
-            dim: Candidate dimension.
-
-        Returns:
-            `dim`.
-        """
-        return check_dim(dim)
 
 
 def _on_columns(hook: Callable[[Tensor], Tensor], V: Tensor) -> Tensor:
@@ -728,24 +885,10 @@ def _on_columns(hook: Callable[[Tensor], Tensor], V: Tensor) -> Tensor:
     return hook(V)
 
 
-def _is_scalar(value: object) -> bool:
-    """Return whether `value` is a Python number or a 0-d tensor.
-
-    Args:
-        value: Object to test.
-
-    Returns:
-        Whether it can scale a structured matrix.
-    """
-    if isinstance(value, Tensor):
-        return value.ndim == 0
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_same_structure(
     first: StructuredMatrix, second: object, operation: str
 ) -> None:
-    """Check that two operands have the same structure class, dimension and dtype.
+    """Check that two operands have the same class, dimension, dtype and device.
 
     Args:
         first: Left operand.
@@ -754,14 +897,18 @@ def _check_same_structure(
 
     Raises:
         TypeError: If `second` is not a structured matrix.
-        ValueError: If class, dimension or data type differ.
+        ValueError: If class, dimension, data type or device differ.
     """
-    if (
-        type(first) is type(second)
-        and first.dim == second.dim
-        and first.dtype == second.dtype
-    ):
-        return  # the fast path of every step
+    if type(first) is type(second):
+        # all stored tensors of a matrix share dtype and device: compare the first
+        mine = getattr(first, first._tensor_names[0])
+        theirs = getattr(second, second._tensor_names[0])
+        if (
+            mine.dtype == theirs.dtype
+            and mine.device == theirs.device
+            and first.dim == second.dim
+        ):
+            return  # the fast path of every step
     if not isinstance(second, StructuredMatrix):
         raise TypeError(
             f"Cannot {operation} {first!r} and {type(second).__name__}: "
@@ -771,6 +918,8 @@ def _check_same_structure(
         reason = "the structures differ"
     elif first.dim != second.dim:
         reason = "the dimensions differ"
-    else:
+    elif first.dtype != second.dtype:
         reason = "the dtypes differ"
+    else:
+        reason = "the devices differ"
     raise ValueError(f"Cannot {operation} {first!r} and {second!r}: {reason}.")

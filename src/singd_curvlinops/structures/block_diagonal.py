@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from singd_curvlinops.structures._checks import check_size
 from singd_curvlinops.structures._linalg import solve_dense
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
@@ -46,20 +47,20 @@ class BlockDiagonalMatrix(StructuredMatrix):
             raise TypeError(
                 "BlockDiagonalMatrix is a template: use block_diagonal(block_dim)."
             )
-        if blocks.ndim != 3 or blocks.shape[1:] != (B, B):
-            raise ValueError(
-                f"blocks must have shape [N, {B}, {B}], got {blocks.shape}."
-            )
-        if last.ndim != 2 or last.shape[0] != last.shape[1] or last.shape[0] >= B:
-            raise ValueError(
-                f"last must have shape [r, r] with r < {B}, got {last.shape}."
-            )
-        if blocks.shape[0] + last.shape[0] == 0:
-            raise ValueError("A block-diagonal matrix needs dimension >= 1.")
         self.blocks: Tensor
         self.register_tensor(blocks, "blocks")
         self.last: Tensor
         self.register_tensor(last, "last")
+        if blocks.ndim != 3 or blocks.shape[1:] != (B, B):
+            raise ValueError(
+                f"blocks must have shape [N, {B}, {B}], got {tuple(blocks.shape)}."
+            )
+        if last.ndim != 2 or last.shape[0] != last.shape[1] or last.shape[0] >= B:
+            raise ValueError(
+                f"last must have shape [r, r] with r < {B}, got {tuple(last.shape)}."
+            )
+        if blocks.shape[0] + last.shape[0] == 0:
+            raise ValueError("A block-diagonal matrix needs dimension >= 1.")
 
     @property
     @override
@@ -115,8 +116,8 @@ class BlockDiagonalMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> BlockDiagonalMatrix:
-        N, r = cls._split_dim(cls._check_dim(dim))
+    def _zeros(cls, dim, dtype, device) -> BlockDiagonalMatrix:
+        N, r = cls._split_dim(dim)
         B = cls.BLOCK_DIM
         return cls(
             torch.zeros(N, B, B, dtype=dtype, device=device),
@@ -125,12 +126,12 @@ class BlockDiagonalMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> BlockDiagonalMatrix:
-        return cls.zeros(dim, dtype=dtype, device=device).diag_add_(1.0)
+    def _eye(cls, dim, dtype, device) -> BlockDiagonalMatrix:
+        return cls._zeros(dim, dtype, device)._diag_add_inplace(1.0)
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> BlockDiagonalMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> BlockDiagonalMatrix:
         r"""Block \(i\) of \(X X^\top\) is \(X_i X_i^\top\) for the rows \(X_i\) of block \(i\)."""  # noqa: E501
         X_blocks, X_last = cls._split_rows(X)
         return cls(X_blocks @ X_blocks.mT, X_last @ X_last.T)
@@ -180,7 +181,7 @@ class BlockDiagonalMatrix(StructuredMatrix):
         return type(self)(self.blocks @ self.blocks.mT, self.last @ self.last.T)
 
     @override
-    def diag_add_(self, value: Scalar) -> BlockDiagonalMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> BlockDiagonalMatrix:
         self.blocks.diagonal(dim1=1, dim2=2).add_(value)
         self.last.diagonal().add_(value)
         return self
@@ -202,22 +203,30 @@ class BlockDiagonalMatrix(StructuredMatrix):
         )
 
 
-@functools.cache
 def block_diagonal(block_dim: int) -> type[BlockDiagonalMatrix]:
     r"""Return the block-diagonal structure class with block size `block_dim`.
 
     Args:
-        block_dim: Block size \(B \ge 1\).
+        block_dim: Block size \(B\), an int in `[1, MAX_SIZE]` (\(2^{31} - 1\)).
 
     Returns:
         A subclass of `BlockDiagonalMatrix` named `Block{B}DiagonalMatrix`; the same
         class object for every call with the same size.
-
-    Raises:
-        ValueError: If `block_dim` is not a positive integer.
     """
-    if isinstance(block_dim, bool) or not isinstance(block_dim, int) or block_dim < 1:
-        raise ValueError(f"block_dim must be a positive int, got {block_dim!r}.")
+    # checked before the cache: 1.0 and True hash like 1 and would hit its entry
+    return _block_diagonal(check_size(block_dim, "block_dim", 1))
+
+
+@functools.cache
+def _block_diagonal(block_dim: int) -> type[BlockDiagonalMatrix]:
+    """Create the class for a valid block size, once per size (see `block_diagonal`).
+
+    Args:
+        block_dim: Block size.
+
+    Returns:
+        The class.
+    """
     name = f"Block{block_dim}DiagonalMatrix"
     return type(
         name,

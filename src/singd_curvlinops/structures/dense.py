@@ -44,17 +44,17 @@ class DenseMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> DenseMatrix:
-        return cls(torch.zeros(cls._check_dim(dim), dim, dtype=dtype, device=device))
+    def _zeros(cls, dim, dtype, device) -> DenseMatrix:
+        return cls(torch.zeros(dim, dim, dtype=dtype, device=device))
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> DenseMatrix:
-        return cls(torch.eye(cls._check_dim(dim), dtype=dtype, device=device))
+    def _eye(cls, dim, dtype, device) -> DenseMatrix:
+        return cls(torch.eye(dim, dtype=dtype, device=device))
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> DenseMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> DenseMatrix:
         return cls(X @ X.T)
 
     @override
@@ -96,7 +96,7 @@ class DenseMatrix(StructuredMatrix):
         return DenseMatrix(self.mat @ self.mat.T)
 
     @override
-    def diag_add_(self, value: Scalar) -> DenseMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> DenseMatrix:
         self.mat.diagonal().add_(value)
         return self
 

@@ -23,10 +23,12 @@ class DiagonalMatrix(StructuredMatrix):
 
     def __init__(self, diag: Tensor) -> None:
         super().__init__()
-        if diag.ndim != 1 or diag.numel() == 0:
-            raise ValueError(f"diag must have shape [d] with d >= 1, got {diag.shape}.")
         self.diag: Tensor
         self.register_tensor(diag, "diag")
+        if diag.ndim != 1 or diag.numel() == 0:
+            raise ValueError(
+                f"diag must have shape [d] with d >= 1, got {tuple(diag.shape)}."
+            )
 
     @property
     @override
@@ -44,17 +46,17 @@ class DiagonalMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> DiagonalMatrix:
-        return cls(torch.zeros(cls._check_dim(dim), dtype=dtype, device=device))
+    def _zeros(cls, dim, dtype, device) -> DiagonalMatrix:
+        return cls(torch.zeros(dim, dtype=dtype, device=device))
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> DiagonalMatrix:
-        return cls(torch.ones(cls._check_dim(dim), dtype=dtype, device=device))
+    def _eye(cls, dim, dtype, device) -> DiagonalMatrix:
+        return cls(torch.ones(dim, dtype=dtype, device=device))
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> DiagonalMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> DiagonalMatrix:
         r"""\(\mathrm{diag}(X X^\top)_i = \sum_j X_{ij}^2\), O(dn)."""
         return cls(X.square().sum(1))
 
@@ -104,7 +106,7 @@ class DiagonalMatrix(StructuredMatrix):
         return DiagonalMatrix(self.diag.square())
 
     @override
-    def diag_add_(self, value: Scalar) -> DiagonalMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> DiagonalMatrix:
         self.diag.add_(value)
         return self
 

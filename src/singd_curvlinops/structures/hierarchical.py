@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from singd_curvlinops.structures._checks import check_size
 from singd_curvlinops.structures._linalg import solve_dense
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
@@ -51,7 +52,9 @@ class HierarchicalMatrix(StructuredMatrix):
             raise TypeError(
                 "HierarchicalMatrix is a template: use hierarchical(K1, K2)."
             )
-        k1, dc, k2 = A.shape[0], C.shape[0], E.shape[0]
+        for name, tensor in zip("ABCDE", (A, B, C, D, E), strict=True):
+            self.register_tensor(tensor, name)
+        k1, dc, k2 = (t.shape[0] if t.ndim else 0 for t in (A, C, E))
         expected = self._block_dims(k1 + dc + k2) if k1 + dc + k2 else None
         shapes = (A.shape, B.shape, C.shape, D.shape, E.shape)
         wanted = ((k1, k1), (k1, dc + k2), (dc,), (k2, dc), (k2, k2))
@@ -61,8 +64,6 @@ class HierarchicalMatrix(StructuredMatrix):
                 f"{type(self).__name__}; expected {wanted} with (k1, d_c, k2) = "
                 f"{expected}."
             )
-        for name, tensor in zip("ABCDE", (A, B, C, D, E), strict=True):
-            self.register_tensor(tensor, name)
 
     A: Tensor
     B: Tensor
@@ -123,8 +124,8 @@ class HierarchicalMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> HierarchicalMatrix:
-        k1, dc, k2 = cls._block_dims(cls._check_dim(dim))
+    def _zeros(cls, dim, dtype, device) -> HierarchicalMatrix:
+        k1, dc, k2 = cls._block_dims(dim)
 
         def new(*shape: int) -> Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -133,12 +134,12 @@ class HierarchicalMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> HierarchicalMatrix:
-        return cls.zeros(dim, dtype=dtype, device=device).diag_add_(1.0)
+    def _eye(cls, dim, dtype, device) -> HierarchicalMatrix:
+        return cls._zeros(dim, dtype, device)._diag_add_inplace(1.0)
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> HierarchicalMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> HierarchicalMatrix:
         r"""Only the stored blocks of \(X X^\top\) are formed: \(O((K_1+K_2) dn)\)."""
         k1, dc, k2 = cls._block_dims(X.shape[0])
         X_top, X_mid, X_bot = X.split([k1, dc, k2])
@@ -219,7 +220,7 @@ class HierarchicalMatrix(StructuredMatrix):
         )
 
     @override
-    def diag_add_(self, value: Scalar) -> HierarchicalMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> HierarchicalMatrix:
         self.A.diagonal().add_(value)
         self.C.add_(value)
         self.E.diagonal().add_(value)
@@ -240,24 +241,32 @@ class HierarchicalMatrix(StructuredMatrix):
         return torch.linalg.vector_norm(norms)
 
 
-@functools.cache
 def hierarchical(K1: int, K2: int) -> type[HierarchicalMatrix]:
     """Return the hierarchical structure class with corner sizes `K1` and `K2`.
 
     Args:
-        K1: Maximum size of the top-left dense block (>= 0).
-        K2: Maximum size of the bottom-right dense block (>= 0).
+        K1: Maximum size of the top-left dense block, an int in `[0, MAX_SIZE]`.
+        K2: Maximum size of the bottom-right dense block, an int in `[0, MAX_SIZE]`.
 
     Returns:
         A subclass of `HierarchicalMatrix` named `Hierarchical{K1}_{K2}Matrix`; the
         same class object for every call with the same sizes.
-
-    Raises:
-        ValueError: If `K1` or `K2` is not a non-negative integer.
     """
-    for name, value in (("K1", K1), ("K2", K2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
+    # checked before the cache: 1.0 and True hash like 1 and would hit its entry
+    return _hierarchical(check_size(K1, "K1", 0), check_size(K2, "K2", 0))
+
+
+@functools.cache
+def _hierarchical(K1: int, K2: int) -> type[HierarchicalMatrix]:
+    """Create the class for valid sizes, once per pair (see `hierarchical`).
+
+    Args:
+        K1: Maximum size of the top-left dense block.
+        K2: Maximum size of the bottom-right dense block.
+
+    Returns:
+        The class.
+    """
     name = f"Hierarchical{K1}_{K2}Matrix"
     return type(
         name,

@@ -1,14 +1,19 @@
-"""Structure names, as users write them, mapped to structure classes.
+r"""Structure names, as users write them, mapped to structure classes.
 
 Fixed names map to one class each; two families take sizes in the name:
 `block{B}diagonal` (e.g. `block30diagonal`) and `hierarchical{K1}_{K2}`
-(e.g. `hierarchical15_15`). Users add their own classes with `register_structure`.
+(e.g. `hierarchical15_15`). Sizes are written in ASCII digits without leading
+zeros, so that every structure has one name, and lie in `[1, MAX_SIZE]` (`B`) or
+`[0, MAX_SIZE]` (`K1`, `K2`), `MAX_SIZE` \(= 2^{31} - 1\); other sizes are
+rejected here, by the name check, not later by an overflow inside torch. Users add
+their own classes with `register_structure`.
 """
 
 from __future__ import annotations
 
 import re
 
+from singd_curvlinops.structures._checks import MAX_SIZE
 from singd_curvlinops.structures.base import StructuredMatrix
 from singd_curvlinops.structures.block_diagonal import block_diagonal
 from singd_curvlinops.structures.dense import DenseMatrix
@@ -22,8 +27,9 @@ from singd_curvlinops.structures.triangular import (
     TriuTopLeftDiagonalMatrix,
 )
 
-_BLOCK_PATTERN = re.compile(r"block(\d+)diagonal")
-_HIERARCHICAL_PATTERN = re.compile(r"hierarchical(\d+)_(\d+)")
+# [0-9], not \d: int() would also read other scripts' digits, such as "٣"
+_BLOCK_PATTERN = re.compile(r"block([0-9]+)diagonal")
+_HIERARCHICAL_PATTERN = re.compile(r"hierarchical([0-9]+)_([0-9]+)")
 _FAMILY_NAMES = ("block{B}diagonal", "hierarchical{K1}_{K2}")
 
 _BUILTIN: dict[str, type[StructuredMatrix]] = {
@@ -73,16 +79,44 @@ def get_structure(name: str) -> type[StructuredMatrix]:
         return _BUILTIN[name]
     if name in _USER:
         return _USER[name]
+    problems = []
     if match := _BLOCK_PATTERN.fullmatch(name):
-        block_dim = int(match.group(1))
-        if block_dim >= 1:
-            return block_diagonal(block_dim)
+        problems = _size_problems(match, ("B",), 1)
+        if not problems:
+            return block_diagonal(int(match.group(1)))
     elif match := _HIERARCHICAL_PATTERN.fullmatch(name):
-        return hierarchical(int(match.group(1)), int(match.group(2)))
+        problems = _size_problems(match, ("K1", "K2"), 0)
+        if not problems:
+            return hierarchical(int(match.group(1)), int(match.group(2)))
+    shown = name if len(name) <= 60 else f"{name[:40]}...{name[-15:]}"
     raise ValueError(
-        f"Unknown structure {name!r}. Valid names: {', '.join(structure_names())} "
-        "(B >= 1, K1, K2 >= 0)."
+        f"Unknown structure {shown!r}. Valid names: {', '.join(structure_names())} "
+        f"(B in [1, {MAX_SIZE}], K1, K2 in [0, {MAX_SIZE}], without leading zeros)"
+        + "".join(f"; {problem}" for problem in problems)
+        + "."
     )
+
+
+def _size_problems(match: re.Match, symbols: tuple[str, ...], low: int) -> list[str]:
+    """Say what is wrong with the sizes in a family name (`"0"` in `block0diagonal`).
+
+    Args:
+        match: The match of the family's pattern; group `i + 1` holds size `i`.
+        symbols: The sizes' symbols, e.g. `("K1", "K2")`.
+        low: Smallest allowed size.
+
+    Returns:
+        One message per invalid size (leading zeros, outside `[low, MAX_SIZE]`).
+    """
+    problems = []
+    for symbol, digits in zip(symbols, match.groups(), strict=True):
+        too_long = len(digits) > len(str(MAX_SIZE))  # int() of 5000 digits raises
+        if len(digits) > 1 and digits.startswith("0"):
+            problems.append(f"write {symbol} without leading zeros")
+        elif too_long or not low <= int(digits) <= MAX_SIZE:
+            got = f"{len(digits)} digits" if too_long else digits
+            problems.append(f"{symbol} must be in [{low}, {MAX_SIZE}], got {got}")
+    return problems
 
 
 def register_structure(name: str, cls: type[StructuredMatrix]) -> None:

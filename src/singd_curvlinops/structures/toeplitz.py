@@ -34,10 +34,12 @@ class _TriangularToeplitzMatrix(StructuredMatrix):
 
     def __init__(self, diags: Tensor) -> None:
         super().__init__()
-        if diags.ndim != 1 or diags.numel() == 0:
-            raise ValueError(f"diags must have shape [d], d >= 1, got {diags.shape}.")
         self.diags: Tensor
         self.register_tensor(diags, "diags")
+        if diags.ndim != 1 or diags.numel() == 0:
+            raise ValueError(
+                f"diags must have shape [d] with d >= 1, got {tuple(diags.shape)}."
+            )
 
     @property
     @override
@@ -74,17 +76,17 @@ class _TriangularToeplitzMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> _TriangularToeplitzMatrix:
-        return cls(torch.zeros(cls._check_dim(dim), dtype=dtype, device=device))
+    def _zeros(cls, dim, dtype, device) -> _TriangularToeplitzMatrix:
+        return cls(torch.zeros(dim, dtype=dtype, device=device))
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> _TriangularToeplitzMatrix:
-        return cls.zeros(dim, dtype=dtype, device=device).diag_add_(1.0)
+    def _eye(cls, dim, dtype, device) -> _TriangularToeplitzMatrix:
+        return cls._zeros(dim, dtype, device)._diag_add_inplace(1.0)
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> _TriangularToeplitzMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> _TriangularToeplitzMatrix:
         r"""Band sums of \(X X^\top\) are column autocorrelations: FFT per column."""
         return cls._from_band_sums(diagonal_sums_of_gram(X))
 
@@ -104,7 +106,7 @@ class _TriangularToeplitzMatrix(StructuredMatrix):
         return type(self)(product.squeeze(1))
 
     @override
-    def diag_add_(self, value: Scalar) -> _TriangularToeplitzMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> _TriangularToeplitzMatrix:
         self.diags[0].add_(value)
         return self
 

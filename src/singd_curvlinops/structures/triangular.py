@@ -46,15 +46,15 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
 
     def __init__(self, diag: Tensor, line: Tensor) -> None:
         super().__init__()
+        self.diag: Tensor
+        self.register_tensor(diag, "diag")
+        self.line: Tensor
+        self.register_tensor(line, "line")
         if diag.ndim != 1 or diag.numel() == 0 or line.shape != (diag.numel() - 1,):
             raise ValueError(
                 "diag and line must have shapes [d] and [d - 1] with d >= 1, got "
                 f"{tuple(diag.shape)} and {tuple(line.shape)}."
             )
-        self.diag: Tensor
-        self.register_tensor(diag, "diag")
-        self.line: Tensor
-        self.register_tensor(line, "line")
 
     @property
     @override
@@ -94,8 +94,7 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def zeros(cls, dim, dtype=None, device=None) -> _DiagonalPlusLineMatrix:
-        dim = cls._check_dim(dim)
+    def _zeros(cls, dim, dtype, device) -> _DiagonalPlusLineMatrix:
         return cls(
             torch.zeros(dim, dtype=dtype, device=device),
             torch.zeros(dim - 1, dtype=dtype, device=device),
@@ -103,12 +102,12 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
 
     @classmethod
     @override
-    def eye(cls, dim, dtype=None, device=None) -> _DiagonalPlusLineMatrix:
-        return cls.zeros(dim, dtype=dtype, device=device).diag_add_(1.0)
+    def _eye(cls, dim, dtype, device) -> _DiagonalPlusLineMatrix:
+        return cls._zeros(dim, dtype, device)._diag_add_inplace(1.0)
 
     @classmethod
     @override
-    def from_mat_inner(cls, X: Tensor) -> _DiagonalPlusLineMatrix:
+    def _from_mat_inner(cls, X: Tensor) -> _DiagonalPlusLineMatrix:
         r"""\(\mathrm{diag}(XX^\top) = \sum_j X_{:j}^2\) and \((XX^\top)_{\bar p p} = X_{\bar p} X_p^\top\): \(O(dn)\)."""  # noqa: E501
         p, rest = cls._pivot(X.shape[0])
         return cls(X.square().sum(1), 2 * (X[rest] @ X[p]))
@@ -213,7 +212,7 @@ class _DiagonalPlusLineMatrix(StructuredMatrix):
         return type(self)(diag, line)
 
     @override
-    def diag_add_(self, value: Scalar) -> _DiagonalPlusLineMatrix:
+    def _diag_add_inplace(self, value: Scalar) -> _DiagonalPlusLineMatrix:
         self.diag.add_(value)
         return self
 

@@ -36,7 +36,7 @@ class LayerStepper:
         state: Its state.
         groups: Its parameter groups.
         records: Its cached preconditioner of a layer for some sides.
-        forget: Drops a layer's cached preconditioners.
+        forget: Drops a layer's cached preconditioners of some sides.
         grad_scale: Scale of the gradients (a `GradScaler`'s), or None.
         current_scale: Gradient scale of this backward pass, if known.
     """
@@ -49,7 +49,7 @@ class LayerStepper:
         state: dict[Parameter, dict[str, Any]],
         groups: list[dict[str, Any]],
         records: Records,
-        forget: Callable[[Layer], None],
+        forget: Callable[..., None],
         grad_scale: Tensor | None,
         current_scale: float | None,
     ) -> None:
@@ -130,8 +130,7 @@ class LayerStepper:
         self.rule.update(
             self.state[layer.weight], self.group(layer), statistics, record, **kwargs
         )
-        if sides != ():
-            self.forget(layer)
+        self.forget(layer, (0, 1) if sides is None else sides)
 
     def finish(self, layer: Layer, *, due: bool) -> None:
         """Drop statistics that are not due, advance the step counter.
@@ -240,13 +239,19 @@ class PreconditionerCache:
             )
         return records[sides]
 
-    def forget(self, layer: Layer) -> None:
-        """Drop a layer's records (its factors changed).
+    def forget(self, layer: Layer, sides: tuple[int, ...] = (0, 1)) -> None:
+        """Drop a layer's records that cache a product of a changed side.
+
+        A record's factors are the state's tensors, updated in place; only its
+        cached products (`K Kᵀ`, `C Cᵀ`, KFAC's inverses) go stale.
 
         Args:
             layer: The layer.
+            sides: The sides whose factors changed.
         """
-        self._records.pop(layer, None)
+        records = self._records.get(layer, {})
+        for cached in [c for c in records if set(c) & set(sides)]:
+            del records[cached]
 
     def clear(self) -> None:
         """Drop every record."""

@@ -47,6 +47,7 @@ from singd_curvlinops.distributed.layout import (
     owned_sides,
     rule_keys,
     shape_of,
+    side_of,
 )
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorStatistics
@@ -219,35 +220,17 @@ class GatheredStep:
         grad = self.stepper.gradient(layer) if mine else None
         if grad is None:
             return None
-        record = self.stepper.preconditioner(layer, self.sides(layer))
+        split = not (sharded or local_work) and assignment.anchor is not None
+        if split:  # the anchor side alone; its product stays cached until the update
+            record = self.stepper.preconditioner(layer, (assignment.anchor,))
+            return record.apply_side(assignment.anchor, grad, overwrite=True)
+        record = self.stepper.preconditioner(layer, (0, 1))
         if sharded:
             return record.apply_side(0, grad, overwrite=True)
         if local_work:  # replicated work on this rank alone
             self.stepper.apply(layer, record.apply(grad, overwrite=True))
             return None
-        if assignment.anchor is None:
-            return record.apply(grad, overwrite=True)
-        return record.apply_side(assignment.anchor, grad, overwrite=True)
-
-    def sides(self, layer: Layer) -> tuple[int, ...]:
-        """Return the sides whose products this rank applies for a layer.
-
-        Args:
-            layer: The layer.
-
-        Returns:
-            Both for a whole layer it owns or a sharded layer; for a split layer
-            the other side, and the anchor too on the anchor's owner; else none.
-        """
-        assignment = self.plan[layer]
-        if self._local(layer) or is_sharded(layer):
-            return (0, 1)
-        if assignment.anchor is None:
-            return (0, 1) if assignment.direction_owner == self.me else ()
-        other = (1 - assignment.anchor,)
-        if assignment.direction_owner == self.me:
-            return (assignment.anchor, *other)
-        return other
+        return record.apply(grad, overwrite=True)
 
     def _local(self, layer: Layer) -> bool:
         """Return whether every rank preconditions the layer itself.
@@ -342,7 +325,8 @@ class GatheredStep:
         else:  # a number of the rule's (e.g. a counter): one host read
             value = chunk.item()
             state[item.key] = round(value) if isinstance(old, int) else value
-        self.stepper.forget(item.layer)
+        side = side_of(item.key, self.stepper.rule)
+        self.stepper.forget(item.layer, (0, 1) if side is None else (side,))
 
     # ---------------------------------------------------------------- apply
     def _apply(
@@ -361,7 +345,7 @@ class GatheredStep:
                 return
             Y = torch.cat([parts[r][0] for r in range(self.world)])[: layer.dims[1]]
             first = self.me * chunk_rows(layer, self.world)
-            record = self.stepper.preconditioner(layer, self.sides(layer))
+            record = self.stepper.preconditioner(layer, (0, 1))
             full = record.apply_side(1, Y, overwrite=True)
             direction = full[first : first + weight.shape[0]]
         else:
@@ -371,7 +355,7 @@ class GatheredStep:
                 return
             if assignment.anchor is not None:
                 other = 1 - assignment.anchor
-                record = self.stepper.preconditioner(layer, self.sides(layer))
+                record = self.stepper.preconditioner(layer, (other,))
                 direction = record.apply_side(other, direction, overwrite=True)
         self.stepper.apply(layer, direction.to(weight.dtype))
 

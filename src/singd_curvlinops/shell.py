@@ -34,7 +34,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, default_params
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.stepping import LayerStepper, PreconditionerCache
+from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
 
 
 class KroneckerOptimizer(Optimizer):
@@ -280,6 +280,7 @@ class KroneckerOptimizer(Optimizer):
         self._distribution.exchange(
             self._collector.pending,
             layers,
+            [layer for layer in layers if self._due(layer)],
             groups=self.param_groups,
             state=self.state,
             rule=self._rule,
@@ -345,8 +346,7 @@ class KroneckerOptimizer(Optimizer):
         Returns:
             Whether its step counter is a multiple of its group's `T`.
         """
-        T = self.param_groups[layer.group_index]["T"]
-        return self.state[layer.weight]["step"] % T == 0
+        return is_due(self.state[layer.weight], self.param_groups[layer.group_index])
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,19 @@ from singd_curvlinops.update import parameter_step
 Records = Callable[[Layer, tuple[int, ...]], Preconditioner]
 
 
+def is_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Return whether a layer's factors update at its next step.
+
+    Args:
+        state: The layer's state.
+        group: Its parameter group.
+
+    Returns:
+        Whether its step counter is a multiple of the group's `T`.
+    """
+    return state["step"] % group["T"] == 0
+
+
 class LayerStepper:
     """The shell's per-layer operations within one step.
 
@@ -82,7 +95,7 @@ class LayerStepper:
         Returns:
             Whether its step counter is a multiple of its group's `T`.
         """
-        return self.state[layer.weight]["step"] % self.group(layer)["T"] == 0
+        return is_due(self.state[layer.weight], self.group(layer))
 
     def _statistics_scale(self, layer: Layer) -> float:
         """Return the scale of the output gradients in this step's statistics.

@@ -96,6 +96,7 @@ class DistributionStrategy:
         self,
         pending: dict[Layer, PendingStatistics],
         layers: Sequence[Layer],
+        due: Sequence[Layer],
         *,
         groups: Sequence[dict[str, Any]],
         state: dict[Parameter, dict[str, Any]],
@@ -106,6 +107,7 @@ class DistributionStrategy:
         Args:
             pending: The collector's pending statistics (updated in place).
             layers: The layers of this step, in the same order on every rank.
+            due: Those whose factors update in this step.
             groups: The optimizer's parameter groups.
             state: Its state.
             rule: Its factor rule.
@@ -126,11 +128,6 @@ class DistributionStrategy:
                 return ownership.dense_zeros(layer.dims, dtypes, device)
             return rule.zero_statistics(group, layer.dims, dtypes, device)
 
-        due = [
-            layer
-            for layer in layers
-            if state[layer.weight]["step"] % groups[layer.group_index]["T"] == 0
-        ]
         StatisticsExchange(zeros, lambda layer: state[layer.weight]["grad_scale"])(
             pending, due
         )

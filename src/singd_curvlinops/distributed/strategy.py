@@ -59,8 +59,12 @@ _SHARE = ("directions", "factors")
 class DistributionStrategy:
     """How the ranks of a `torch.distributed` job share an optimizer's work.
 
-    One process without a process group always works alone, whatever the
-    strategy. A strategy object belongs to one optimizer (`resolve` copies it).
+    The base class does all work on every rank (`Replicate`); subclasses
+    override the hooks they change: `projection` (what the statistics hooks
+    compute), `check_holds`, `_configure` (on new layers or options), `_check_step`,
+    `step`, `full_state` and `loaded` (checkpoints). One process without a process
+    group always works alone, whatever the strategy. A strategy object belongs to
+    one optimizer (`resolve` copies it).
     """
 
     def __init__(self) -> None:
@@ -205,7 +209,7 @@ class DistributionStrategy:
 
 
 class Replicate(DistributionStrategy):
-    """Every rank does all factor work (see the module docs)."""
+    """Every rank does all factor work: the base class's behaviour, named."""
 
 
 class Shard(DistributionStrategy):

@@ -1,16 +1,20 @@
-"""Train a small CNN with SINGD on two CPU processes (`torch.distributed`, gloo).
+"""Train a small CNN with SINGD on two CPU processes, its factor work sharded.
 
 Run it from the repository root with
 
     torchrun --nproc_per_node 2 docs/examples/ddp_train.py
 
-(add `--epochs 1` for a quick check). Every process builds the same model, wraps it
-in `DistributedDataParallel` and hands the wrapper to `SINGD`. A
+(add `--epochs 1` for a quick check, `--distribute replicate` to have every process
+do all factor work). Every process builds the same model, wraps it in
+`DistributedDataParallel` and hands the wrapper to `SINGD` with
+`distribute="shard"`: each layer's factor updates and preconditioning are done by
+one owner process (the costliest layer's two factors by two), and one `all_gather`
+per step shares the preconditioned gradients and the updated factors. A
 `DistributedSampler` gives each process its own shard of a synthetic image data
 set; DDP averages the gradients and SINGD all-reduces its Kronecker statistics once
 per factor update, so all processes keep identical parameters and factors. Rank 0
-prints the mean training loss of every epoch (over all processes) and the bytes
-that SINGD's statistics exchange sends per update step.
+prints which process owns which factors, the bytes SINGD's collectives move, and the
+mean training loss of every epoch (over all processes).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from singd_curvlinops import SINGD
-from singd_curvlinops.distributed import bytes_per_update
+from singd_curvlinops.distributed import Shard, bytes_per_step, bytes_per_update
 
 NUM_CLASSES = 4
 
@@ -67,11 +71,41 @@ def small_cnn() -> nn.Module:
     )
 
 
+def describe(optimizer: SINGD, model: nn.Module) -> None:
+    """Print who owns which factors and the bytes of the collectives (rank 0).
+
+    Args:
+        optimizer: The optimizer.
+        model: The wrapped model.
+    """
+    world_size, strategy = dist.get_world_size(), optimizer.distribution
+    if isinstance(strategy, Shard):
+        plan = strategy.assignments(
+            optimizer.layers, optimizer.param_groups, optimizer.rule, world_size
+        )
+        for layer, assignment in plan.items():
+            print(
+                f"layer {layer.name}: K on rank {assignment.owners[0]}, "
+                f"C on rank {assignment.owners[1]}"
+            )
+    update = bytes_per_step(optimizer, update=True)
+    other = bytes_per_step(optimizer, update=False)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"{world_size} processes, distribute={strategy!r}; SINGD's "
+        f"statistics: bytes per update step: {bytes_per_update(optimizer)} (every "
+        f"T={optimizer.defaults['T']} steps); all_gather: {update['gather']} bytes "
+        f"on update steps, {other['gather']} on the others; DDP's gradients: "
+        f"{gradient_bytes} bytes every step"
+    )
+
+
 def main() -> None:
     """Parse the arguments, train, and print the losses on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--distribute", choices=("shard", "replicate"), default="shard")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")  # torchrun sets rank, world size and address
@@ -88,18 +122,13 @@ def main() -> None:
         momentum=0.9,
         lr_cov=0.05,
         T=5,
-        structures=("block8diagonal", "diagonal"),
+        structures=("dense", "diagonal"),
+        distribute=args.distribute,
     )
     loss_function = nn.CrossEntropyLoss()
 
     if rank == 0:
-        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(
-            f"{world_size} processes; SINGD's statistics: "
-            f"bytes per update step: {bytes_per_update(optimizer)} "
-            f"(every T={optimizer.defaults['T']} steps); "
-            f"DDP's gradients: {gradient_bytes} bytes every step"
-        )
+        describe(optimizer, model)
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle, the same on every rank

@@ -30,6 +30,7 @@ import torch
 from singd_curvlinops import _arguments as arguments
 from singd_curvlinops._paths import output_file, report_write_failure, write_output
 from singd_curvlinops.bench.configurations import configurations, reference_version
+from singd_curvlinops.bench.distributed import run_distributed_bench
 from singd_curvlinops.bench.optimizer import measure
 from singd_curvlinops.bench.report import markdown_table, preamble
 from singd_curvlinops.bench.workloads import MODELS
@@ -102,6 +103,15 @@ on [16, 64, 256] tokens (loss_average="batch+sequence").
 
 example:
   singd-curvlinops bench --models mlp --structures diagonal --T 10 --rounds 3
+
+distributed (--distributed, started by torchrun; gloo on CPU):
+  torchrun --nproc_per_node 2 -m singd_curvlinops bench --distributed
+  times SINGD with distribute="replicate", "shard", Shard(share="factors") and
+  Shard(factors="owned") on the processes (DDP, each on its share of the batch,
+  one torch thread each unless --threads), default structure dense; prints one
+  table with the slowest process's ms/step (median and spread over the rounds),
+  the ratio to replicate, the factor state of the process that holds the most,
+  and the bytes the collectives move.
 """
 
 
@@ -218,10 +228,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     add(
         "--structures",
         type=arguments.structures,
-        default=BENCH_STRUCTURES,
+        default=None,
         metavar="LIST",
         help="comma-separated structures, each used for both K and "
-        "C (default: %(default)s)",
+        f"C (default: {BENCH_STRUCTURES}; dense with --distributed)",
     )
     add(
         "--T",
@@ -260,6 +270,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help="torch threads (default: torch's choice)",
     )
     add("--no-reference", action="store_true", help="skip the reference singd's rows")
+    add(
+        "--distributed",
+        action="store_true",
+        help="time replicate against shard on the processes of torchrun (below)",
+    )
     add(
         "--json",
         type=output_file(".json"),
@@ -307,8 +322,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     Returns:
         Exit code 0, or 1 if the JSON file could not be written.
     """
+    if args.distributed:
+        return run_distributed_bench(args)
     version = None if args.no_reference else reference_version()
-    configs = configurations(args.structures, args.T, version is not None)
+    structures = args.structures or arguments.structures(BENCH_STRUCTURES)
+    configs = configurations(structures, args.T, version is not None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference warns on its dense fallbacks
         records = measure(
@@ -376,6 +394,12 @@ def _check_combinations(
                 "training examples."
             )
     elif args.command == "bench":
+        if args.distributed and "WORLD_SIZE" not in os.environ:
+            parser.error(
+                "bench --distributed runs on the processes of torchrun: start it "
+                "with torchrun --nproc_per_node 2 -m singd_curvlinops bench "
+                "--distributed"
+            )
         uneven = [T for T in args.T if args.steps_per_block % T]
         if uneven:
             parser.error(

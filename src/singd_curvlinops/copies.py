@@ -30,11 +30,11 @@ class CopiesWithModel:
             raise TypeError(self._copy_message())
         twin = object.__new__(type(self))
         memo[id(self)] = twin
-        skip = ("_collector", "_preconditioners")
+        skip = ("_collector", "_records")
         for key, value in self.__dict__.items():
             if key not in skip:
                 twin.__dict__[key] = copy.deepcopy(value, memo)
-        twin._preconditioners = {}
+        twin._records = type(self._records)(twin)  # derived data: rebuilt
         layers = {layer: copy.deepcopy(layer, memo) for layer in self._layers}
         twin._collector = self._collector.copy_to(layers, twin._collection_plan, memo)
         return twin

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from singd_curvlinops.distributed import DistributionStrategy
 from singd_curvlinops.rules import KFACRule
 from singd_curvlinops.shell import KroneckerOptimizer
 from singd_curvlinops.structure_policy import DEFAULT_MAX_DENSE_DIM
@@ -69,6 +70,9 @@ class KFAC(KroneckerOptimizer):
         fallback_betas: AdamW's \((\beta_1, \beta_2)\) (fallback and grafting).
         fallback_eps: AdamW's \(\epsilon\).
         graft: None, `"adamw"` or `"sgd"` (see `SINGD`).
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"` (each rank does all), `"shard"` (each layer's
+            owner does it) or a strategy of `singd_curvlinops.distributed`.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class KFAC(KroneckerOptimizer):
         fallback_betas: tuple[float, float] = (0.9, 0.999),
         fallback_eps: float = 1e-8,
         graft: str | None = None,
+        distribute: str | DistributionStrategy = "replicate",
     ) -> None:
         defaults = {
             "lr": lr,
@@ -122,4 +127,5 @@ class KFAC(KroneckerOptimizer):
             rule=KFACRule(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
+            distribute=distribute,
         )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.nn import Module, Parameter
 
+from singd_curvlinops.distributed import DistributionStrategy
 from singd_curvlinops.rules import SINGDRule
 from singd_curvlinops.shell import KroneckerOptimizer
 from singd_curvlinops.structure_policy import DEFAULT_MAX_DENSE_DIM
@@ -55,17 +56,19 @@ class SINGD(KroneckerOptimizer):
     | `fallback_lr_ratio` | — | the fallback's learning rate over `lr` |
     | `fallback_betas`, `_eps` | — | AdamW's \((\beta_1, \beta_2)\), \(\epsilon\) |
     | `graft` | — | None, `"adamw"`, `"sgd"`: per layer, that optimizer's step norm |
+    | `distribute` | — | `"replicate"` or `"shard"` the factor work over ranks |
 
     `alpha1=None` (the default) means 0.5 for SINGD and 0 for IKFAC
     (`kfac_like=True`): `SINGD(model, kfac_like=True)` is the paper's IKFAC. An
     explicit `alpha1 > 0` with `kfac_like=True` is honoured, a hybrid of IKFAC's
     update with Riemannian momentum.
 
-    Every option except `init_grad_scale` and `warn_unsupported` can be set per
-    parameter group; a layer's factor options are those of its weight's group, its
-    parameters' `lr`, `momentum` and `weight_decay` their own groups'. All options
-    after `params` are keyword-only. See the guide pages "Layers", "Fallback and
-    grafting" and "Structures" for the policies and their defaults.
+    Every option except `init_grad_scale`, `warn_unsupported` and `distribute`
+    can be set per parameter group; a layer's factor options are those of its
+    weight's group, its parameters' `lr`, `momentum` and `weight_decay` their own
+    groups'. All options after `params` are keyword-only. See the guide pages
+    "Layers", "Fallback and grafting", "Structures" and "Data parallelism" for the
+    policies and their defaults.
 
     Args:
         model: The network whose supported layers are preconditioned.
@@ -99,6 +102,9 @@ class SINGD(KroneckerOptimizer):
         fallback_eps: AdamW's \(\epsilon \ge 0\).
         graft: None, `"adamw"` or `"sgd"`: rescale each layer's direction to the
             norm of that optimizer's.
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"` (each rank does all), `"shard"` (each layer's
+            owner does it) or a strategy of `singd_curvlinops.distributed`.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class SINGD(KroneckerOptimizer):
         fallback_betas: tuple[float, float] = (0.9, 0.999),
         fallback_eps: float = 1e-8,
         graft: str | None = None,
+        distribute: str | DistributionStrategy = "replicate",
     ) -> None:
         defaults = {
             "lr": lr,
@@ -159,4 +166,5 @@ class SINGD(KroneckerOptimizer):
             rule=SINGDRule(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
+            distribute=distribute,
         )

@@ -29,7 +29,7 @@ group's `fallback_betas` and `fallback_eps` and live in the layer's state as
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +112,8 @@ def step_layer(
     direction: Tensor,
     groups: Sequence[Mapping[str, Any]],
     state: Mapping[Parameter, dict[str, Any]],
+    *,
+    local: Callable[[Tensor], Tensor] = lambda tensor: tensor,
 ) -> None:
     r"""Apply weight decay, momentum and learning rate per parameter of a layer.
 
@@ -120,17 +122,20 @@ def step_layer(
         direction: Its direction \(\Delta\), `[d_C, d_K]` (overwritten).
         groups: The optimizer's parameter groups.
         state: The optimizer's state (momentum buffers).
+        local: Maps a parameter or buffer to the tensor this rank updates (its
+            row shard under FSDP2; the identity otherwise).
     """
-    parts = layer.from_matrix(direction)
-    for param, part, group in zip(
-        layer.params, parts, layer.param_groups(groups), strict=True
+    params = [local(p) for p in layer.params]
+    parts = layer.from_matrix(direction, params)
+    for param, mine, part, group in zip(
+        layer.params, params, parts, layer.param_groups(groups), strict=True
     ):
         if param.grad is None:
             continue  # frozen or unused in this step: never touched
         parameter_step(
-            [param],
+            [mine],
             [part],
-            [state[param]["momentum_buffer"]],
+            [local(state[param]["momentum_buffer"])],
             lr=group["lr"],
             momentum=group["momentum"],
             weight_decay=group["weight_decay"],

@@ -8,13 +8,15 @@ layer's weight and bias may sit in different groups), lets a
 (`singd_curvlinops.rules`): every `T` steps the rule updates the layer's factors
 from the collected statistics, every step the preconditioned gradient
 \(P_C \Gamma P_K\) goes through `parameter_update` (grafting, then momentum and
-weight decay per parameter). Every other trainable parameter of the groups goes
+weight decay per parameter). A distribution strategy (`singd_curvlinops.distributed`)
+decides which rank does which layer's work, through the per-layer operations of
+`singd_curvlinops.stepping`. Every other trainable parameter of the groups goes
 to its group's fallback rule (AdamW or SGD, `rules.fallback`). AMP (skipped
-steps, gradient scales), data parallelism (`singd_curvlinops.distributed`) and
-checkpoints (`singd_curvlinops.checkpoint`) are handled here, for any rule and any
-layer type. All state is plain tensors in `self.state`: per layer under its first
-parameter (the rule's factors, `"step"`, `"grad_scale"`), per layer parameter its
-`"momentum_buffer"`, per fallback parameter its rule's state.
+steps, gradient scales) and checkpoints (`singd_curvlinops.checkpoint`) are
+handled here, for any rule and any layer type. All state is plain tensors in
+`self.state`: per layer under its first parameter (the rule's factors, `"step"`,
+`"grad_scale"`), per layer parameter its `"momentum_buffer"`, per fallback
+parameter its rule's state.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
+from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
 
 
 class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
@@ -54,11 +57,16 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         rule: The factor rule.
         warn_unsupported: Warn about parameters that no adapter owns.
         init_grad_scale: Expected gradient scale of the first step (AMP).
+        distribute: How the ranks of a `torch.distributed` job share the factor
+            work: `"replicate"`, `"shard"` or a strategy object
+            (`singd_curvlinops.distributed`).
 
     Raises:
-        TypeError: If `model` is not a module.
+        TypeError: If `model` is not a module, or `distribute` neither a string
+            nor a strategy.
         ValueError: If an option is out of range, `init_grad_scale` is not
-            positive, or the model (or `params`) has no supported layer.
+            positive, `distribute` names no strategy, or the model (or
+            `params`) has no supported layer.
     """
 
     @property
@@ -82,6 +90,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         rule: FactorRule,
         warn_unsupported: bool,
         init_grad_scale: float,
+        distribute: str | distributed.DistributionStrategy = "replicate",
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model)}.")
@@ -102,10 +111,10 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
                 f"model has no supported layer: {type(self).__name__} preconditions "
                 f"{supported_layers()} layers."
             )
+        self._distribution = distributed.resolve(distribute)
         self._collector = StatisticsCollector(self._collection_plan)
-        self._preconditioners: dict[Layer, Preconditioner] = {}
+        self._records = PreconditionerCache(self)
         self._fallback: set[Parameter] = set()
-        self._exchange = distributed.StatisticsExchange()
         self._init_grad_scale = float(init_grad_scale)
         if params is None:
             params = self._default_params(warn_unsupported, defaults["fallback"])
@@ -156,13 +165,17 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         Returns:
             The rule's record; do not modify its matrices.
         """
-        layer = self._layers.find(layer)
-        cached = self._preconditioners.get(layer)
-        if cached is None:
-            options = layer.options(self.param_groups[layer.group_index])
-            cached = self._rule.preconditioner(self.state[layer.weight], options)
-            self._preconditioners[layer] = cached
-        return cached
+        return self._records(self._layers.find(layer), (0, 1))
+
+    @property
+    def distribution(self) -> distributed.DistributionStrategy:
+        """The distribution strategy (`distribute=`); read-only."""
+        return self._distribution
+
+    @property
+    def rule(self) -> FactorRule:
+        """The factor rule; read-only."""
+        return self._rule
 
     @property
     def curvature_pending(self) -> bool:
@@ -177,21 +190,38 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
 
         Returns:
             None unless the layer's factors are due at its next step.
+
+        Raises:
+            ValueError: For a layer tied to a transposed use under
+                `Shard(factors="owned")`, which does not support it.
         """
         if not self._due(layer):
             return None
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
-        preconditioner = self.preconditioner(layer)
+        project = self._distribution.projection(layer)
         transposed = None
-        if layer.twin is not None:
-            transposed = partial(self._rule.project, preconditioner.transposed())
+        if project is None:  # the rule's, with the current factors if it reads them
+            reads = self._rule.reads_preconditioner
+            record = self._records(layer, ()) if reads else None
+            options = layer.options(group)
+            project = partial(self._rule.project, record, group=options)
+            if layer.twin is not None:
+                flipped = None if record is None else record.transposed()
+                twin_options = layer.twin.options(group)
+                transposed = partial(self._rule.project, flipped, group=twin_options)
+        elif layer.twin is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} is tied to a layer used transposed (an "
+                "embedding tied to an output layer); distribute=Shard(factors="
+                "'owned') does not support such layers. Use distribute='shard'."
+            )
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],
             dtypes=layer.factor_dtypes(group),
             grad_scale=state["grad_scale"],
-            project=partial(self._rule.project, preconditioner),
+            project=project,
             project_transposed=transposed,
         )
 
@@ -255,24 +285,30 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
             if grad_scale is not None
             else self.__dict__.pop("_current_grad_scale", None)
         )
-        if distributed.world_size() > 1:
-            keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
-            self._exchange(
-                self._collector.pending,
-                keys,
-                [key for key in keys if self._due(key)],
-                groups=self.param_groups,
-                state=self.state,
-                rule=self._rule,
-            )
+        keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
+        self._distribution.exchange(
+            self._collector.pending,
+            keys,
+            [key for key in keys if self._due(key)],
+            groups=self.param_groups,
+            state=self.state,
+            rule=self._rule,
+        )
         if not self._all_finite(layers, [p for _, p in fallback]):
             self._skip_step(layers, current_scale)
             return loss
-        for layer in layers:
-            state = self.state[layer.weight]
-            statistics_scale = current_scale or state["grad_scale"]
-            self._step_layer(layer, grad_scale, statistics_scale)
-            state["grad_scale"] = statistics_scale
+        stepper = LayerStepper(
+            rule=self._rule,
+            collector=self._collector,
+            state=self.state,
+            groups=self.param_groups,
+            records=self._records,
+            forget=self._records.forget,
+            grad_scale=grad_scale,
+            current_scale=current_scale,
+        )
+        stepper.check(layers)
+        self._distribution.step(stepper, layers)
         parameter_update.step_fallback(
             [(p, group) for group, p in fallback], self.state, grad_scale
         )
@@ -327,38 +363,6 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
             for layer in layers:
                 self.state[layer.weight]["grad_scale"] = current_scale
 
-    def _step_layer(
-        self, layer: Layer, grad_scale: Tensor | None, statistics_scale: float
-    ) -> None:
-        """Update one layer's factors (if due) and parameters.
-
-        Args:
-            layer: The layer.
-            grad_scale: Scale of the gradients (None: unscaled).
-            statistics_scale: Scale of the output gradients in the statistics.
-        """
-        group = self.param_groups[layer.group_index]
-        state = self.state[layer.weight]
-        if self._due(layer):
-            taken = self._collector.take(layer, group["loss_average"], statistics_scale)
-            if taken is not None:
-                options = layer.options(group)
-                self._rule.update(state, options, taken, self.preconditioner(layer))
-                self._preconditioners.pop(layer, None)
-        else:
-            self._collector.discard(layer)
-        state["step"] += 1
-        grad = layer.gradient_matrix()
-        if grad is None:
-            return
-        if grad_scale is not None:
-            grad.div_(grad_scale.to(grad.dtype))
-        norm = parameter_update.graft_norm(grad, state, group)
-        direction = self.preconditioner(layer).apply(grad, overwrite=True)
-        if norm is not None:
-            parameter_update.rescale(direction, norm)
-        parameter_update.step_layer(layer, direction, self.param_groups, self.state)
-
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.
 
@@ -368,8 +372,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         Returns:
             Whether its step counter is a multiple of its group's `T`.
         """
-        T = self.param_groups[layer.group_index]["T"]
-        return self.state[layer.weight]["step"] % T == 0
+        return is_due(self.state[layer.weight], self.param_groups[layer.group_index])
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -378,10 +381,17 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         A callable `lr_cov` is replaced by a marker; `load_state_dict` restores the
         callable of the optimizer it loads into.
 
+        Under `distribute="shard"` every rank must call it: it gathers what only
+        the owners keep (momenta, or all factors), so that it is complete.
+
         Returns:
             The state dictionary.
         """
-        return checkpoint.to_plain(super().state_dict())
+        layers = self._layers.active(self.param_groups)
+        with self._distribution.full_state(
+            self.state, layers, self.param_groups, self._rule
+        ):
+            return checkpoint.to_plain(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state, keeping factors in their own dtype and validating it.
@@ -399,4 +409,5 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         super().load_state_dict(state_dict)
         checkpoint.restore_factors(self.state, factors)
         self._collector.clear()
-        self._preconditioners.clear()
+        self._records.clear()
+        self._distribution.loaded(self.state, self._rule)

@@ -141,16 +141,67 @@ def precondition(
     Returns:
         Tensor with the shape and dtype of `grad` (possibly `grad` itself).
     """
+    right = precondition_input_side(grad, K, KKt, overwrite=overwrite)
+    # `right` is a tensor of ours (or `grad`, if we may overwrite it)
+    left = precondition_output_side(right, C, CCt, overwrite=True)
+    return left.to(grad.dtype)
+
+
+def precondition_input_side(
+    grad: Tensor,
+    K: StructuredMatrix,
+    KKt: StructuredMatrix | None = None,
+    *,
+    overwrite: bool = False,
+) -> Tensor:
+    r"""Return \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), in `K`'s dtype.
+
+    The input-side half of `precondition`; any number of rows of \(\Gamma\) works
+    (a row-sharded gradient preconditions its rows alone).
+
+    Args:
+        grad: \(\Gamma\) or some of its rows, `[rows, d_K]`.
+        K: Input-side factor.
+        KKt: Optional precomputed \(K K^\top\) (for KFAC: the side itself).
+        overwrite: Whether `grad` may be overwritten.
+
+    Returns:
+        `[rows, d_K]`, a tensor of ours or `grad` itself (if `overwrite`).
+    """
     right = grad.T.to(K.dtype)
     owned = overwrite or K.dtype != grad.dtype  # (a cast is a copy of ours)
     if KKt is None:
         right = K @ K.rmatmat(right)
     else:
         right = KKt.matmat_(right) if owned else KKt @ right
-    # `right` is now a tensor of ours: the output side may overwrite it
-    left = right.T.to(C.dtype)
-    left = CCt.matmat_(left) if CCt is not None else C @ C.rmatmat(left)
-    return left.to(grad.dtype)
+    return right.T
+
+
+def precondition_output_side(
+    mat: Tensor,
+    C: StructuredMatrix,
+    CCt: StructuredMatrix | None = None,
+    *,
+    overwrite: bool = False,
+) -> Tensor:
+    r"""Return \(C C^\top M = C (C^\top M)\), in `C`'s dtype.
+
+    The output-side half of `precondition`.
+
+    Args:
+        mat: \(M\), `[d_C, columns]`.
+        C: Output-side factor.
+        CCt: Optional precomputed \(C C^\top\) (for KFAC: the side itself).
+        overwrite: Whether `mat` may be overwritten.
+
+    Returns:
+        `[d_C, columns]`, a tensor of ours or `mat` itself (if `overwrite`).
+    """
+    left = mat.to(C.dtype)
+    if CCt is None:
+        return C @ C.rmatmat(left)
+    owned = overwrite or C.dtype != mat.dtype
+    return CCt.matmat_(left) if owned else CCt @ left
 
 
 def parameter_step(

@@ -206,26 +206,6 @@ class LayerAdapter(ABC):
             slices.append(matrix[:, d_in].reshape(*params[1].shape, *extra))
         return slices
 
-    def gradient_matrix(self, params: tuple[Parameter, ...]) -> Tensor | None:
-        r"""Return \(\Gamma = [\nabla W\; \nabla b]\), `[d_C, d_K]`.
-
-        Args:
-            params: The layer's parameters.
-
-        Returns:
-            A new tensor (the caller may overwrite it), or None if the weight has
-            no gradient. A missing bias gradient counts as zero.
-        """
-        if params[0].grad is None:
-            return None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        matrix = self.to_matrix(grads, params)
-        storage = matrix.untyped_storage().data_ptr()
-        if storage == grads[0].untyped_storage().data_ptr():
-            return matrix.clone()  # a view of the weight's gradient
-        return matrix
-
-    # ------------------------------------------------------------------ slots
     def slots(self, module: Module) -> tuple[Slot, ...]:
         """Return the linear maps of `module`.
 

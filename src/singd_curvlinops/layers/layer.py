@@ -134,45 +134,64 @@ class Layer:
         return dtypes[::-1] if self.swapped else dtypes
 
     # ------------------------------------------------------------ matrices
-    def to_matrix(self, tensors: Sequence[Tensor]) -> Tensor:
+    def to_matrix(
+        self, tensors: Sequence[Tensor], params: Sequence[Tensor] | None = None
+    ) -> Tensor:
         r"""Arrange one tensor per parameter into the layout of \(\Gamma\).
 
         Args:
             tensors: `[*param.shape, *extra]` for each of `params`.
+            params: The parameters they belong to (default: `self.params`; under
+                FSDP2, the local row shards).
 
         Returns:
             `[d_C, d_K, *extra]` (see `LayerAdapter.to_matrix`).
         """
         if self.bias_only:
             return tensors[0].unsqueeze(1)
-        return self.adapter.to_matrix(tensors, self.params)
+        return self.adapter.to_matrix(tensors, tuple(params or self.params))
 
-    def from_matrix(self, matrix: Tensor) -> list[Tensor]:
+    def from_matrix(
+        self, matrix: Tensor, params: Sequence[Tensor] | None = None
+    ) -> list[Tensor]:
         r"""Split a tensor in the layout of \(\Gamma\) into one per parameter.
 
         Args:
             matrix: `[d_C, d_K, *extra]`.
+            params: The parameters (default: `self.params`; see `to_matrix`).
 
         Returns:
             `[*param.shape, *extra]` per parameter (views where possible).
         """
         if self.bias_only:
             return [matrix[:, 0]]
-        return self.adapter.from_matrix(matrix, self.params)
+        return self.adapter.from_matrix(matrix, tuple(params or self.params))
 
-    def gradient_matrix(self) -> Tensor | None:
+    def gradient_matrix(
+        self,
+        params: Sequence[Tensor] | None = None,
+        grads: Sequence[Tensor | None] | None = None,
+    ) -> Tensor | None:
         r"""Return \(\Gamma\) from the parameters' gradients, `[d_C, d_K]`.
+
+        Args:
+            params: The parameters (default: `self.params`; under FSDP2 the local
+                row shards).
+            grads: Their gradients (default: each parameter's `.grad`).
 
         Returns:
             A new tensor (the caller may overwrite it), or None if no parameter
             has a gradient. A missing gradient counts as zero.
         """
-        if all(p.grad is None for p in self.params):
+        params = tuple(params or self.params)
+        grads = [p.grad for p in params] if grads is None else list(grads)
+        if all(g is None for g in grads):
             return None
         grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params
+            torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, grads, strict=True)
         ]
-        matrix = self.to_matrix(grads)
+        matrix = self.to_matrix(grads, params)
         storages = {g.untyped_storage().data_ptr() for g in grads}
         if matrix.untyped_storage().data_ptr() in storages:
             return matrix.clone()  # a view of a gradient

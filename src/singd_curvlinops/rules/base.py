@@ -11,6 +11,7 @@ a parameter group; never modules, hooks or the optimizer.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,11 @@ from torch import Tensor
 
 from singd_curvlinops.statistics import SparseRows
 from singd_curvlinops.structures import DiagonalMatrix, StructuredMatrix, get_structure
-from singd_curvlinops.update import precondition
+from singd_curvlinops.update import (
+    precondition,
+    precondition_input_side,
+    precondition_output_side,
+)
 
 
 @dataclass(frozen=True)
@@ -63,11 +68,36 @@ class Preconditioner:
         Returns:
             Tensor with the shape and dtype of `grad` (possibly `grad` itself).
         """
-        if self.square_roots:
-            return precondition(
-                grad, self.K, self.C, self.KKt, self.CCt, overwrite=overwrite
+        return precondition(grad, self.K, self.C, *self._sides, overwrite=overwrite)
+
+    def apply_side(self, side: int, mat: Tensor, *, overwrite: bool = False) -> Tensor:
+        r"""Apply one side: \(M P_K\) (side 0) or \(P_C M\) (side 1).
+
+        `apply` is `apply_side(1, apply_side(0, grad))`, up to the final cast;
+        either order gives \(P_C \Gamma P_K\).
+
+        Args:
+            side: 0 for the input side, 1 for the output side.
+            mat: `[rows, d_K]` for side 0, `[d_C, columns]` for side 1.
+            overwrite: Whether `mat` may be overwritten.
+
+        Returns:
+            The product, in the side's dtype (possibly `mat` itself).
+        """
+        if side == 0:
+            return precondition_input_side(
+                mat, self.K, self._sides[0], overwrite=overwrite
             )
-        return precondition(grad, self.K, self.C, self.K, self.C, overwrite=overwrite)
+        return precondition_output_side(
+            mat, self.C, self._sides[1], overwrite=overwrite
+        )
+
+    @property
+    def _sides(self) -> tuple[StructuredMatrix | None, StructuredMatrix | None]:
+        r"""The matrices applied as one product (None: as \(K (K^\top \cdot)\))."""
+        if self.square_roots:
+            return self.KKt, self.CCt
+        return self.K, self.C
 
 
 @dataclass(frozen=True)
@@ -86,14 +116,31 @@ class FactorStatistics:
 
 
 class FactorRule(ABC):
-    """How one kind of optimizer keeps and updates a layer's Kronecker factors.
+    r"""How one kind of optimizer keeps and updates a layer's Kronecker factors.
 
     Attributes:
         factor_sides: `(state prefix, side)` of every factor the rule keeps, side
             0 for the input (dimension `d_K`) and 1 for the output (`d_C`).
+        splits_sides: Whether the two sides may be updated on different ranks
+            (`singd_curvlinops.distributed.Shard`): `update(..., sides=...)`
+            then changes only the state entries of `sides` (those whose prefix
+            `factor_sides` maps to them), reading no more of the other side
+            than its statistics and factors, and `preconditioner(..., sides=...)`
+            caches products only for `sides` (the record stays correct for both).
+            Entries of no side are advanced by every call, also with `sides=()`.
+        owner_state: Prefixes of the entries that only the rank updating their
+            side reads (SINGD's momenta \(m_K\), \(m_C\)): under `Shard` they
+            stay on that rank, and `state_dict()` gathers them.
+        reads_preconditioner: Whether `project` and `update` read the
+            preconditioner they are given (SINGD: its factors); if not, the
+            optimizer passes None and builds none for them (KFAC: no inverse
+            before the update).
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
+    splits_sides: bool = False
+    owner_state: tuple[str, ...] = ()
+    reads_preconditioner: bool = True
 
     def label(self, group: dict[str, Any]) -> str:
         """Return the name of the update a group gets, for summaries.
@@ -147,14 +194,21 @@ class FactorRule(ABC):
 
     @abstractmethod
     def project(
-        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+        self,
+        preconditioner: Preconditioner | None,
+        a: Tensor,
+        g: Tensor,
+        *,
+        group: Mapping[str, Any],
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return one micro-batch's statistics from the rows \(a\), \(\tilde g\).
 
         Args:
-            preconditioner: The layer's current preconditioner.
+            preconditioner: The layer's current preconditioner (None unless
+                `reads_preconditioner`).
             a: Input rows `[rows, d_K]` (a buffer the rule may overwrite).
             g: Output-gradient rows `[rows, d_C]` (leave intact).
+            group: The layer's options (`Layer.options`: its own structures).
 
         Returns:
             The two matrices that accumulate over micro-batches.
@@ -186,7 +240,9 @@ class FactorRule(ABC):
         state: dict[str, Any],
         group: dict[str, Any],
         statistics: FactorStatistics,
-        preconditioner: Preconditioner,
+        preconditioner: Preconditioner | None,
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> None:
         """Update the layer's factors in `state` from the statistics.
 
@@ -194,18 +250,26 @@ class FactorRule(ABC):
             state: The layer's state; its tensors may be updated in place.
             group: The layer's parameter group.
             statistics: The statistics of this update.
-            preconditioner: The preconditioner before the update.
+            preconditioner: The preconditioner before the update (None unless
+                `reads_preconditioner`).
+            sides: The sides to update (only passed if `splits_sides`).
         """
 
     @abstractmethod
     def preconditioner(
-        self, state: dict[str, Any], group: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
         """Return the preconditioner that the layer's state defines.
 
         Args:
             state: The layer's state.
             group: The layer's parameter group.
+            sides: The sides this process applies (only passed if
+                `splits_sides`): products may be cached for these alone.
 
         Returns:
             The preconditioner; its matrices may share the state's tensors.

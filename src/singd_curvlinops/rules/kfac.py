@@ -17,6 +17,7 @@ update.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -47,10 +48,14 @@ class KFACRule(FactorRule):
     """KFAC's factors: exponential averages, inverted every `T` steps.
 
     Factors are dense or diagonal: the group's structure policy is always `"auto"`
-    (dense within the memory budget `max_dense_dim`, diagonal above).
+    (dense within the memory budget `max_dense_dim`, diagonal above). The sides are
+    not split across ranks (`splits_sides` is False): the costly part is the
+    inverse in `preconditioner`, which every rank that applies a side would have to
+    compute; `Shard` assigns whole layers.
     """
 
     factor_sides = (("A", 0), ("G", 1))
+    reads_preconditioner = False  # statistics a^T a, g^T g; EMA of the factors
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Validate KFAC's options; SINGD-only options are removed."""
@@ -82,10 +87,16 @@ class KFACRule(FactorRule):
         return state
 
     def project(
-        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+        self,
+        preconditioner: Preconditioner | None,
+        a: Tensor,
+        g: Tensor,
+        *,
+        group: Mapping[str, Any],
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return \(\Pi(a^\top a)\), \(\Pi(g^\top g)\) in the factors' structures."""
-        return gram(type(preconditioner.K), a), gram(type(preconditioner.C), g)
+        K_structure, C_structure = (get_structure(n) for n in group["structures"])
+        return gram(K_structure, a), gram(C_structure, g)
 
     def zero_statistics(
         self,
@@ -105,26 +116,32 @@ class KFACRule(FactorRule):
         state: dict[str, Any],
         group: dict[str, Any],
         statistics: FactorStatistics,
-        preconditioner: Preconditioner,
+        preconditioner: Preconditioner | None,
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> None:
         r"""Average the statistics into \(A\), \(G\) (the first update: as they are)."""
         names = group["structures"]
         factors = [load_factor(state, p, names[side]) for p, side in self.factor_sides]
         if statistics.handed_over is not None:
-            U_K, U_C = (
+            U = tuple(
                 type(F).from_dense(U.to(F.dtype))
                 for F, U in zip(factors, statistics.handed_over, strict=True)
             )
         else:
-            U_K, U_C = statistics.collected
+            U = statistics.collected
         beta = group["ema_decay"] if state["updates"] else 0.0
-        for factor, U in zip(factors, (U_K, U_C), strict=True):
-            # the factors' tensors are the state's: updated in place
-            factor.mul_(beta).add_(U.to(factor.dtype), alpha=1.0 - beta)
+        for side, factor in enumerate(factors):
+            if side in sides:  # the factors' tensors are the state's: in place
+                factor.mul_(beta).add_(U[side].to(factor.dtype), alpha=1.0 - beta)
         state["updates"] += 1
 
     def preconditioner(
-        self, state: dict[str, Any], group: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
         r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I)."""
         names = group["structures"]

@@ -10,7 +10,7 @@ without forming \(U_K\), \(U_C\); the update is `singd_curvlinops.update`'s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +54,8 @@ class SINGDRule(FactorRule):
     """SINGD (and IKFAC with `kfac_like=True`) on structured factors."""
 
     factor_sides = (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
+    splits_sides = True  # the sides couple only through scalar traces
+    owner_state = ("m_K", "m_C")  # read by the factor's own update alone
     _IDENTITY = ("K", "C")  # the momenta start at zero
 
     def label(self, group: dict[str, Any]) -> str:
@@ -94,7 +96,12 @@ class SINGDRule(FactorRule):
         return state
 
     def project(
-        self, preconditioner: Preconditioner, a: Tensor, g: Tensor
+        self,
+        preconditioner: Preconditioner,
+        a: Tensor,
+        g: Tensor,
+        *,
+        group: Mapping[str, Any],
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         r"""Return \(\Pi(K^\top a^\top a K)\) and \(\Pi(C^\top g^\top g C)\)."""
         # `a` is a buffer of ours (overwritten), `g` may be autograd's (left intact)
@@ -122,22 +129,28 @@ class SINGDRule(FactorRule):
         group: dict[str, Any],
         statistics: FactorStatistics,
         preconditioner: Preconditioner,
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> None:
-        r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta, in place."""
-        K, C = preconditioner.K, preconditioner.C
-        names = group["structures"]
-        m_K, m_C = (
-            load_factor(state, f"m_{p}", names[s]) for p, s in (("K", 0), ("C", 1))
-        )
-        if statistics.handed_over is not None:  # dense U: project Kᵀ U K
-            H_K, H_C = (
-                M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
-                for M, U in zip((K, C), statistics.handed_over, strict=True)
-            )
-        else:
-            H_K, H_C = statistics.collected
-        KtK, CtC = K.from_inner(), C.from_inner()
-        traces = [M.average_trace() for M in (H_K, H_C, KtK, CtC)]
+        r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta, in place.
+
+        A side updated alone reads the other side's \(\bar{\mathrm{tr}}(H)\) from the
+        statistics and its \(\bar{\mathrm{tr}}(\Pi(C^\top C)) = \|C\|_F^2 / d_C\)
+        from the factor (every structure's \(\Pi\) keeps the diagonal), which
+        costs \(O(\text{entries})\) instead of the product \(\Pi(C^\top C)\).
+        """
+        if not sides:
+            return
+        factors = (preconditioner.K, preconditioner.C)
+        H = _statistics(statistics, factors)
+        FtF = [
+            M.from_inner() if side in sides else None for side, M in enumerate(factors)
+        ]
+        traces_H = [M.average_trace() for M in H]
+        traces_FtF = [
+            M.frobenius_norm().square() / M.dim if MtM is None else MtM.average_trace()
+            for M, MtM in zip(factors, FtF, strict=True)
+        ]
         lr_cov = group["lr_cov"]
         hyper = FactorHyperparameters(
             damping=group["damping"],
@@ -146,22 +159,29 @@ class SINGDRule(FactorRule):
             kfac_like=group["kfac_like"],
             normalize_lr_cov=group["normalize_lr_cov"],
         )
-        increment_K = momentum_increment(
-            H_K, KtK, trace_H_other=traces[1], trace_KtK_other=traces[3], hyper=hyper
-        )
-        increment_C = momentum_increment(
-            H_C, CtC, trace_H_other=traces[0], trace_KtK_other=traces[2], hyper=hyper
-        )
-        for prefix, factor, momentum, increment in (
-            ("K", K, m_K, increment_K),
-            ("C", C, m_C, increment_C),
-        ):  # the factors' tensors are the state's: updated in place
-            store_factor(
-                state, f"m_{prefix}", factor_step(factor, momentum, increment, hyper)
+        names = group["structures"]
+        increments = {
+            side: momentum_increment(
+                H[side],
+                FtF[side],
+                trace_H_other=traces_H[1 - side],
+                trace_KtK_other=traces_FtF[1 - side],
+                hyper=hyper,
             )
+            for side in sides
+        }
+        for side, increment in increments.items():
+            prefix = ("K", "C")[side]  # the factors' tensors are the state's
+            momentum = load_factor(state, f"m_{prefix}", names[side])
+            new_momentum = factor_step(factors[side], momentum, increment, hyper)
+            store_factor(state, f"m_{prefix}", new_momentum)
 
     def preconditioner(
-        self, state: dict[str, Any], group: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        *,
+        sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
         r"""Return \(C C^\top \otimes K K^\top\), caching the products that pay off.
 
@@ -174,6 +194,7 @@ class SINGDRule(FactorRule):
         Args:
             state: The layer's state.
             group: The layer's parameter group.
+            sides: The sides whose products may be cached.
 
         Returns:
             The preconditioner; `K` and `C` share the state's tensors.
@@ -182,10 +203,32 @@ class SINGDRule(FactorRule):
         K, C = load_factor(state, "K", names[0]), load_factor(state, "C", names[1])
         reuse = group["T"] > 1
         KKt, CCt = (
-            M.outer_self() if reuse or M.numel() < M.dim**2 or M.dim < n else None
-            for M, n in ((K, C.dim), (C, K.dim))
+            M.outer_self()
+            if side in sides and (reuse or M.numel() < M.dim**2 or M.dim < n)
+            else None
+            for side, M, n in ((0, K, C.dim), (1, C, K.dim))
         )
         return Preconditioner(K, C, square_roots=True, KKt=KKt, CCt=CCt)
+
+
+def _statistics(
+    statistics: FactorStatistics, factors: tuple[StructuredMatrix, StructuredMatrix]
+) -> list[StructuredMatrix]:
+    r"""Return \(H_K\), \(H_C\): collected, or projected from dense \(U\).
+
+    Args:
+        statistics: The update's statistics.
+        factors: \(K\), \(C\).
+
+    Returns:
+        \([\Pi(K^\top U_K K), \Pi(C^\top U_C C)]\).
+    """
+    if statistics.handed_over is None:
+        return list(statistics.collected)
+    return [  # dense U: project Kᵀ U K
+        M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
+        for M, U in zip(factors, statistics.handed_over, strict=True)
+    ]
 
 
 def _symmetric(mat: Tensor) -> Tensor:

@@ -19,22 +19,22 @@ convention) to train on the sum over the concatenated batch.
 
 Only the structures' stored tensors travel, packed with the example counts into a
 single buffer per step (a diagonal factor sends \(d\) numbers, not \(d^2\)). Before
-the first exchange, the processes compare a checksum of their layers, structures and
-options, so that a mismatch raises an error instead of hanging.
+the first exchange, the processes compare a checksum of their layers, structures,
+options and distribution strategy (`collectives.check_same_configuration`), so
+that a mismatch raises an error instead of hanging.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
+from singd_curvlinops.distributed.collectives import named_collective, world_size
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
@@ -42,45 +42,27 @@ from singd_curvlinops.structures import StructuredMatrix
 # the group options that decide what a layer's statistics are
 _EXCHANGE_OPTIONS = ("T", "loss_average", "kfac_approx")
 
-
-def initialized() -> bool:
-    """Return whether a default `torch.distributed` process group exists.
-
-    Returns:
-        False where `torch.distributed` is unavailable.
-    """
-    return dist.is_available() and dist.is_initialized()
+ZeroStatistics = Callable[[Layer], tuple[StructuredMatrix, StructuredMatrix]]
 
 
-def world_size() -> int:
-    """Return the number of processes of the default group (1 without one).
-
-    Returns:
-        The world size.
-    """
-    return dist.get_world_size() if initialized() else 1
-
-
-def check_same_configuration(description: str, device: torch.device) -> None:
-    """Raise on every process unless all processes pass the same `description`.
+def describe_layers(
+    layers: Sequence[Layer], groups: Sequence[dict[str, Any]], rule: FactorRule
+) -> str:
+    """Describe the layers and options whose statistics the ranks exchange.
 
     Args:
-        description: A text that names the layers, structures and options whose
-            statistics will be exchanged.
-        device: Device of the collective's tensor (the backend's device).
+        layers: The layers of this step, in the same order on every process.
+        groups: The optimizer's parameter groups.
+        rule: Its factor rule.
 
-    Raises:
-        RuntimeError: If the processes' descriptions differ.
+    Returns:
+        One line per layer: name, dimensions, structures and options.
     """
-    checksum = zlib.crc32(description.encode())
-    extremes = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-    if extremes[0].item() != checksum or -extremes[1].item() != checksum:
-        raise RuntimeError(
-            "SINGD's processes disagree on the layers, structures or options whose "
-            f"statistics they exchange (rank {dist.get_rank()} has: {description}). "
-            "Build the same model and optimizer on every rank."
-        )
+    return ";".join(
+        f"{layer.name}:{layer.dims}:{layer.structures}:"
+        + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
+        for layer in layers
+    )
 
 
 def all_reduce_statistics(
@@ -112,7 +94,8 @@ def all_reduce_statistics(
         parts += [t.to(dtype).reshape(-1) for t in H_C.tensors()]
         parts.append(torch.tensor([float(count)], dtype=dtype, device=H_K.device))
     buffer = torch.cat(parts)
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    with named_collective("The statistics all-reduce of the optimizer's step"):
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     offsets, offset = [], 0
     for H_K, H_C, _ in statistics:
         offset = _unpack(buffer, _unpack(buffer, offset, H_K), H_C)
@@ -149,53 +132,34 @@ class StatisticsExchange:
 
     Every process takes part for every due layer, with zero statistics where its
     hooks did not fire; layers without statistics on any process end up with none.
-    Whenever the layers or their options change, the processes first compare a
-    checksum of them (`check_same_configuration`).
+
+    Args:
+        zeros: Zero statistics of a layer, shaped as its hooks produce them.
+        grad_scale: The gradient scale a layer's statistics would carry.
     """
 
-    def __init__(self) -> None:
-        self._verified = ""
+    def __init__(self, zeros: ZeroStatistics, grad_scale: Callable[[Layer], float]):
+        self._zeros = zeros
+        self._grad_scale = grad_scale
 
     def __call__(
-        self,
-        pending: dict[Layer, PendingStatistics],
-        layers: Sequence[Layer],
-        due: Sequence[Layer],
-        *,
-        groups: Sequence[dict[str, Any]],
-        state: dict[Parameter, dict[str, Any]],
-        rule: FactorRule,
+        self, pending: dict[Layer, PendingStatistics], due: Sequence[Layer]
     ) -> None:
         """Exchange the statistics of this step.
 
         Args:
             pending: The collector's pending statistics (updated in place).
-            layers: The layers of this step, in the same order on every process.
-            due: Those whose factors update in this step.
-            groups: The optimizer's parameter groups.
-            state: Its state (for the gradient scale of a layer without data).
-            rule: Its factor rule (for zero statistics).
+            due: The layers whose factors update in this step, in the same order
+                on every process.
         """
-        description = ";".join(
-            f"{layer.name}:{layer.dims}:{layer.structures}:"
-            + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
-            for layer in layers
-        )
-        if description != self._verified:
-            check_same_configuration(description, layers[0].weight.device)
-            self._verified = description
         if not due:
             return
         records = []
         for layer in due:
             record = pending.get(layer)
             if record is None:
-                group = layer.options(groups[layer.group_index])
-                H_K, H_C = rule.zero_statistics(
-                    group, layer.dims, layer.factor_dtypes(group), layer.weight.device
-                )
-                scale = state[layer.weight]["grad_scale"]
-                record = PendingStatistics(H_K, H_C, 0, scale)
+                H_K, H_C = self._zeros(layer)
+                record = PendingStatistics(H_K, H_C, 0, self._grad_scale(layer))
             records.append(record)
         totals = all_reduce_statistics(
             [(record.H_K, record.H_C, record.num_examples) for record in records]
@@ -206,22 +170,3 @@ class StatisticsExchange:
             else:
                 record.num_examples = total
                 pending[layer] = record
-
-
-def bytes_per_update(optimizer: Any) -> int:
-    """Return the bytes each process sends per factor update (statistics only).
-
-    Args:
-        optimizer: A `SINGD` or `KFAC` optimizer.
-
-    Returns:
-        Size of the all-reduced buffer: every layer's stored entries of `H_K` and
-        `H_C` plus one example count, in the factors' dtype.
-    """
-    total = 0
-    for layer in optimizer.layers:
-        preconditioner = optimizer.preconditioner(layer)
-        K, C = preconditioner.K, preconditioner.C
-        dtype = torch.promote_types(K.dtype, C.dtype)
-        total += (K.numel() + C.numel() + 1) * dtype.itemsize
-    return total

@@ -1,0 +1,345 @@
+"""Benchmark: one training step on several processes, `Replicate` against `Shard`.
+
+Start it with `torchrun --nproc_per_node 2 -m singd_curvlinops bench
+--distributed` (gloo, CPU; one torch thread per process unless `--threads` says
+otherwise). Every process builds the same seeded workload
+(`bench.workloads`), wraps the model in `DistributedDataParallel` and trains on
+its share of the fixed batch (split evenly), so the global batch is the
+single-process benchmark's. Every configuration (model, structure, `T`,
+strategy) trains its own copy of the model; all are warmed up, then timed in
+blocks of consecutive steps, round-robin over the configurations. Before each
+block the processes meet at a barrier; a block's time is that of the slowest
+process. Reported per configuration: the median over the rounds and the spread
+(fastest and slowest round), the ratio to `Replicate`'s median, the factor state
+of the process that holds the most (the rule's entries in `optimizer.state`:
+factors and their momenta, not the parameters' momentum buffers), and the bytes
+the collectives move (`distributed.communication`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from singd_curvlinops import SINGD
+from singd_curvlinops.bench.configurations import SINGD_HYPERPARAMETERS
+from singd_curvlinops.bench.memory import MIB
+from singd_curvlinops.bench.workloads import build_workload, train_step
+from singd_curvlinops.distributed import Shard, bytes_per_step
+from singd_curvlinops.distributed.layout import SHELL_KEYS
+
+# label: the `distribute` option
+STRATEGIES: dict[str, Any] = {
+    "replicate": "replicate",
+    "shard": "shard",
+    "shard, share factors": Shard(share="factors"),
+    "shard, owned factors": Shard(factors="owned"),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration to time.
+
+    Attributes:
+        model: Workload name.
+        structure: Structure of both factors.
+        T: Factor update interval.
+        strategy: A label of `STRATEGIES`.
+    """
+
+    model: str
+    structure: str
+    T: int
+    strategy: str
+
+
+def _largest(value: float) -> float:
+    """Return the largest `value` over all processes.
+
+    Args:
+        value: This process's value.
+
+    Returns:
+        The maximum.
+    """
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def factor_bytes(optimizer: SINGD) -> int:
+    """Return the bytes of the rule's state entries this process holds.
+
+    Args:
+        optimizer: The optimizer.
+
+    Returns:
+        Factors and their momenta, without the parameters' momentum buffers.
+    """
+    return sum(
+        value.numel() * value.element_size()
+        for entry in optimizer.state.values()
+        for key, value in entry.items()
+        if key not in SHELL_KEYS and isinstance(value, Tensor)
+    )
+
+
+def _build(setting: Setting) -> tuple[SINGD, Callable[[], Tensor]]:
+    """Build a setting's optimizer and its training step on this process's share.
+
+    Args:
+        setting: The configuration.
+
+    Returns:
+        The optimizer and a function that runs one step.
+    """
+    workload = build_workload(setting.model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = slice(
+        rank * len(workload.inputs) // world, (rank + 1) * len(workload.inputs) // world
+    )
+    inputs, targets = workload.inputs[share], workload.targets[share]
+    model = DistributedDataParallel(copy.deepcopy(workload.model))
+    optimizer = SINGD(
+        model,
+        T=setting.T,
+        loss_average=workload.loss_average,
+        structures=(setting.structure, setting.structure),
+        distribute=STRATEGIES[setting.strategy],
+        **SINGD_HYPERPARAMETERS,
+    )
+    return optimizer, lambda: train_step(model, optimizer, inputs, targets)
+
+
+def _time_block(step: Callable[[], Tensor], steps: int) -> float:
+    """Return the slowest process's mean time of `steps` consecutive steps.
+
+    Args:
+        step: One training step.
+        steps: Number of consecutive steps.
+
+    Returns:
+        Seconds per step.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return _largest((time.perf_counter() - start) / steps)
+
+
+def measure_distributed(
+    settings: list[Setting],
+    rounds: int,
+    steps_per_block: int,
+    warmup: int,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Time every setting on the processes of the default group, round-robin.
+
+    Args:
+        settings: The configurations.
+        rounds: Timed blocks per setting; the median is reported.
+        steps_per_block: Consecutive steps per block (a multiple of every `T`).
+        warmup: Untimed steps per setting before the first round.
+        progress: Called with a status line after each round (rank 0), if given.
+
+    Returns:
+        Per setting: `ms_per_step` (median), `block_ms_per_step` (every round),
+        `factor_mib` (largest over the processes), the bytes of its collectives
+        per update step and per other step, and the ratios to `Replicate`.
+    """
+    runs = [(setting, *_build(setting), []) for setting in settings]
+    for _, _, step, _ in runs:
+        for _ in range(warmup):
+            step()
+    for index in range(rounds):
+        for _, _, step, times in runs:
+            times.append(_time_block(step, steps_per_block))
+        if progress is not None and dist.get_rank() == 0:
+            progress(f"round {index + 1}/{rounds} done")
+    records = [
+        _record(setting, optimizer, times) for setting, optimizer, _, times in runs
+    ]
+    _add_ratios(records)
+    return records
+
+
+def _record(setting: Setting, optimizer: SINGD, times: list[float]) -> dict[str, Any]:
+    """Summarise one setting's measurements.
+
+    Args:
+        setting: The configuration.
+        optimizer: Its optimizer after the timing.
+        times: Seconds per step of every round.
+
+    Returns:
+        The record (see `measure_distributed`).
+    """
+    update = bytes_per_step(optimizer, update=True)
+    plain = bytes_per_step(optimizer, update=False)
+    gradients = sum(
+        p.numel() * p.element_size()
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+    per_step = (
+        sum(update.values()) + (setting.T - 1) * sum(plain.values())
+    ) / setting.T
+    return {
+        "model": setting.model,
+        "structure": setting.structure,
+        "T": setting.T,
+        "strategy": setting.strategy,
+        "ms_per_step": 1e3 * statistics.median(times),
+        "block_ms_per_step": [1e3 * t for t in times],
+        "factor_mib": _largest(factor_bytes(optimizer)) / MIB,
+        "update_bytes": update,
+        "plain_bytes": plain,
+        "mib_per_step": per_step / MIB,
+        "ddp_gradient_mib": gradients / MIB,
+    }
+
+
+def _add_ratios(records: list[dict[str, Any]]) -> None:
+    """Add `vs_replicate` (time) and `factor_vs_replicate` (state) in place.
+
+    Args:
+        records: Records of `measure_distributed`.
+    """
+    key = lambda r: (r["model"], r["structure"], r["T"])  # noqa: E731
+    base = {key(r): r for r in records if r["strategy"] == "replicate"}
+    for record in records:
+        reference = base.get(key(record))
+        record["vs_replicate"] = record["factor_vs_replicate"] = None
+        if reference is not None:
+            record["vs_replicate"] = record["ms_per_step"] / reference["ms_per_step"]
+            record["factor_vs_replicate"] = (
+                record["factor_mib"] / reference["factor_mib"]
+            )
+
+
+_HEADER = (
+    "model",
+    "T",
+    "strategy",
+    "ms/step",
+    "spread",
+    "× replicate",
+    "factor state/rank MiB",
+    "× replicate",
+    "statistics MiB/update",
+    "gathered MiB update / other",
+    "MiB/step",
+)
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """Render the records as one Markdown table.
+
+    Args:
+        records: Records of `measure_distributed`.
+
+    Returns:
+        The table: one row per setting.
+    """
+    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 8 + "|"]
+    for r in records:
+        times = r["block_ms_per_step"]
+        update, plain = r["update_bytes"], r["plain_bytes"]
+        cells = [
+            r["model"],
+            str(r["T"]),
+            r["strategy"],
+            f"{r['ms_per_step']:.1f}",
+            f"{min(times):.0f}–{max(times):.0f}",
+            _ratio(r["vs_replicate"]),
+            f"{r['factor_mib']:.2f}",
+            _ratio(r["factor_vs_replicate"]),
+            f"{update['statistics'] / MIB:.2f}",
+            f"{update['gather'] / MIB:.2f} / {plain['gather'] / MIB:.2f}",
+            f"{r['mib_per_step']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    """Format a ratio, or a dash where there is none.
+
+    Args:
+        value: The ratio, or None.
+
+    Returns:
+        E.g. `"0.61×"`.
+    """
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def run_distributed_bench(args: Any) -> int:
+    """Run `singd-curvlinops bench --distributed` on the processes of torchrun.
+
+    Args:
+        args: The parsed command line (`models`, `structures`, `T`, `rounds`,
+            `steps_per_block`, `warmup`, `threads`, `json`).
+
+    Returns:
+        Exit code 0 (rank 0 prints the table and writes the JSON file).
+    """
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # torchrun sets rank, world size, address
+    torch.set_num_threads(args.threads or 1)
+    settings = [
+        Setting(model, structure, T, strategy)
+        for model in args.models
+        for structure in args.structures or ["dense"]
+        for T in args.T
+        for strategy in STRATEGIES
+    ]
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    records = measure_distributed(
+        settings, args.rounds, args.steps_per_block, args.warmup, progress
+    )
+    if dist.get_rank() == 0:
+        print(preamble(args) + "\n")
+        print(markdown_table(records))
+        if args.json is not None:
+            with open(args.json, "w", encoding="utf-8") as file:
+                json.dump(records, file, indent=2)
+    dist.destroy_process_group()
+    return 0
+
+
+def preamble(args: Any) -> str:
+    """Return the paragraph that states what the table measures.
+
+    Args:
+        args: The parsed command line.
+
+    Returns:
+        One paragraph of Markdown.
+    """
+    return (
+        f"torch {torch.__version__}, float32, CPU, gloo, {dist.get_world_size()} "
+        f"processes with {torch.get_num_threads()} torch thread(s) each, "
+        "DistributedDataParallel, each process on its share of the batch; median "
+        f"(and fastest–slowest) of {args.rounds} blocks of {args.steps_per_block} "
+        f"steps of the slowest process, {args.warmup} warm-up steps, all settings "
+        "interleaved. `factor state/rank`: the rule's entries (factors, momenta) "
+        "of the process that holds the most; `statistics`: the all-reduce of an "
+        "update step; `gathered`: the all_gather(s) of an update step and of "
+        "another step (what every process receives); `MiB/step`: all of it "
+        "averaged over T steps, without DDP's gradient all-reduce."
+    )

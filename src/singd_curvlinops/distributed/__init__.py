@@ -1,0 +1,52 @@
+r"""Data parallelism and sharded factor work on `torch.distributed`.
+
+- `exchange`: the statistics all-reduce of every factor update (the semantics of
+  \(P\) processes equal to one on the concatenated batch).
+- `strategy`: `Replicate` (every rank does all factor work) and `Shard` (owners
+  do it, one `all_gather` per step shares it), chosen with `distribute=`.
+- `assignment`: the per-structure cost model and the balanced assignment.
+- `engine`: one step of a sharded strategy, `layout`: what its `all_gather`
+  holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
+  layers.
+- `communication`: the bytes each of them sends.
+- `collectives`: the checks that turn misuse into errors on every rank.
+
+See the user guide's *Data parallelism* page.
+"""
+
+from singd_curvlinops.distributed.assignment import Assignment, LayerCost, assign
+from singd_curvlinops.distributed.collectives import (
+    check_same_configuration,
+    initialized,
+    rank,
+    world_size,
+)
+from singd_curvlinops.distributed.communication import bytes_per_step, bytes_per_update
+from singd_curvlinops.distributed.exchange import (
+    StatisticsExchange,
+    all_reduce_statistics,
+)
+from singd_curvlinops.distributed.strategy import (
+    DistributionStrategy,
+    Replicate,
+    Shard,
+    resolve,
+)
+
+__all__ = [
+    "Assignment",
+    "DistributionStrategy",
+    "LayerCost",
+    "Replicate",
+    "Shard",
+    "StatisticsExchange",
+    "all_reduce_statistics",
+    "assign",
+    "bytes_per_step",
+    "bytes_per_update",
+    "check_same_configuration",
+    "initialized",
+    "rank",
+    "resolve",
+    "world_size",
+]

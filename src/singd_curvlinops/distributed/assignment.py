@@ -1,0 +1,221 @@
+r"""Who does which factor work: a per-structure cost model and a balanced assignment.
+
+**Cost model.** Per layer and side (\(K\) of dimension \(d_K\), \(C\) of
+dimension \(d_C\)) the work is estimated in multiply-adds per step from the number
+\(n\) of entries the side's structure stores at its dimension \(d\) (dense
+\(d^2\), diagonal \(d\), `block{B}diagonal` about \(dB\), ...). One product of two
+factors of that structure costs about \(p = n^2 / d\) (dense \(d^3\), diagonal
+\(d\), block-diagonal \(d B^2\)); then
+
+| work | multiply-adds | when |
+|---|---|---|
+| factor update | \(2p\) (\(\Pi(K^\top K)\), \(K m_K\)) | every `T` steps |
+| cached product | \(p\) (\(K K^\top\), or KFAC's inverse) | every `T` steps |
+| applying the side to \(\Gamma\) | \(n\, m\) (\(2 n\, m\) uncached) | every step |
+
+(\(m\): the other side's dimension)
+
+with the first two divided by `T`. A side's product is cached as SINGD caches it
+(`SINGDRule.preconditioner`): if `T > 1`, the structure is sparse, or the side
+is the layer's smaller one. The model ranks work; it does not predict time.
+
+**Assignment.** Each layer is a *unit* owned by one rank (it updates both factors
+and computes \(\Delta = P_C \Gamma P_K\)), or, for rules whose sides can be
+updated apart (`FactorRule.splits_sides`), it may be *split*: one rank updates
+\(K\), another \(C\); the owner of the *anchor* side (the one whose application to
+\(\Gamma\) costs more) computes the half product (\(\Gamma P_K\) or
+\(P_C \Gamma\)), and every rank applies the other side after the exchange, so
+that side's cached product and application are paid on every rank. Units are
+placed largest first on the least loaded rank (LPT; ties go to the lower rank);
+then the costliest splittable layers are split, one at a time, as long as that
+lowers the largest load. Everything is a pure function of the layers' dimensions,
+structures and `T` and of the world size: every rank computes the same assignment
+without communicating. More ranks than units leave ranks without factor work; a
+layer that dominates the model is split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from singd_curvlinops.structures import get_structure
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    r"""Estimated multiply-adds per step of one layer's factor work, per side.
+
+    Attributes:
+        update: Factor update of side 0 (\(K\)) and side 1 (\(C\)), amortised.
+        build: Building the side's cached product, amortised.
+        apply: Applying the side to the gradient matrix, every step.
+        splittable: Whether the sides may be assigned to different ranks.
+    """
+
+    update: tuple[float, float]
+    build: tuple[float, float]
+    apply: tuple[float, float]
+    splittable: bool
+
+    @property
+    def whole(self) -> float:
+        """The layer's work on one rank."""
+        return sum(self.update) + sum(self.build) + sum(self.apply)
+
+    @property
+    def anchor(self) -> int:
+        """The side whose application costs more (0 on a tie)."""
+        return int(self.apply[1] > self.apply[0])
+
+
+@dataclass(frozen=True)
+class Assignment:
+    r"""Who does one layer's factor work.
+
+    Attributes:
+        owners: The ranks that update side 0 (\(K\)) and side 1 (\(C\)).
+        anchor: None if one rank owns the whole layer; else the side whose owner
+            computes the half product.
+    """
+
+    owners: tuple[int, int]
+    anchor: int | None = None
+
+    @property
+    def direction_owner(self) -> int:
+        """The rank that computes the layer's (half-)preconditioned gradient."""
+        return self.owners[0 if self.anchor is None else self.anchor]
+
+
+@lru_cache(maxsize=1024)
+def stored_entries(structure: str, dim: int) -> int:
+    """Return how many numbers a factor of this structure stores at `dim`.
+
+    Args:
+        structure: A structure name (see `get_structure`).
+        dim: The factor's dimension.
+
+    Returns:
+        The structure's `numel()` (built on the meta device: nothing allocated).
+    """
+    cls = get_structure(structure)
+    return cls.zeros(dim, dtype=torch.float32, device="meta").numel()
+
+
+def layer_cost(
+    structures: tuple[str, str], dims: tuple[int, int], T: int, splittable: bool
+) -> LayerCost:
+    r"""Return the cost model's estimate for one layer (see the module docs).
+
+    Args:
+        structures: Structure names of \(K\) and \(C\).
+        dims: `(d_K, d_C)`.
+        T: The factor update interval.
+        splittable: Whether the rule may update the sides on different ranks.
+
+    Returns:
+        The layer's costs.
+    """
+    entries = [stored_entries(s, d) for s, d in zip(structures, dims, strict=True)]
+    products = [n * n / d for n, d in zip(entries, dims, strict=True)]
+    others = (dims[1], dims[0])
+    cached = [
+        T > 1 or n < d * d or d < other
+        for n, d, other in zip(entries, dims, others, strict=True)
+    ]
+    return LayerCost(
+        update=(2 * products[0] / T, 2 * products[1] / T),
+        build=tuple(p / T if c else 0.0 for p, c in zip(products, cached, strict=True)),
+        apply=tuple(
+            n * other * (1 if c else 2)
+            for n, other, c in zip(entries, others, cached, strict=True)
+        ),
+        splittable=splittable,
+    )
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """An assignment and the largest load it leads to."""
+
+    assignments: tuple[Assignment, ...]
+    makespan: float
+
+
+def assign(costs: Sequence[LayerCost], world_size: int) -> list[Assignment]:
+    """Assign every layer's factor work to ranks (see the module docs).
+
+    Args:
+        costs: Per layer, in the same order on every rank.
+        world_size: The number of ranks.
+
+    Returns:
+        Per layer, its `Assignment`.
+
+    Raises:
+        ValueError: If `world_size` is not a positive int.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    split: frozenset[int] = frozenset()
+    best = _schedule(costs, world_size, split)
+    candidates = sorted(
+        (i for i, cost in enumerate(costs) if cost.splittable),
+        key=lambda i: (-costs[i].whole, i),
+    )
+    for index in candidates:
+        trial = _schedule(costs, world_size, split | {index})
+        if not trial.makespan < best.makespan:
+            break
+        split, best = split | {index}, trial
+    return list(best.assignments)
+
+
+def _schedule(
+    costs: Sequence[LayerCost], world_size: int, split: frozenset[int]
+) -> _Schedule:
+    """Place the units largest first on the least loaded rank.
+
+    Args:
+        costs: Per layer.
+        world_size: The number of ranks.
+        split: The layers whose sides are separate units.
+
+    Returns:
+        The assignment; a split layer whose sides land on one rank is whole.
+    """
+    units = []  # (cost, layer, side or -1 for the whole layer)
+    for index, cost in enumerate(costs):
+        if index in split:
+            a, b = cost.anchor, 1 - cost.anchor
+            units.append((cost.update[a] + cost.build[a] + cost.apply[a], index, a))
+            units.append((cost.update[b], index, b))
+        else:
+            units.append((cost.whole, index, -1))
+    units.sort(key=lambda unit: (-unit[0], unit[1], unit[2]))
+    loads = [0.0] * world_size
+    owner: dict[tuple[int, int], int] = {}
+    for work, index, side in units:
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += work
+        owner[index, side] = rank
+    assignments, replicated = [], 0.0
+    for index, cost in enumerate(costs):
+        if index not in split:
+            rank = owner[index, -1]
+            assignments.append(Assignment((rank, rank)))
+            continue
+        owners, b = (owner[index, 0], owner[index, 1]), 1 - cost.anchor
+        if owners[0] == owners[1]:  # both sides on one rank: it does everything
+            loads[owners[0]] += cost.build[b] + cost.apply[b]
+            assignments.append(Assignment(owners))
+        else:
+            replicated += cost.build[b] + cost.apply[b]
+            assignments.append(Assignment(owners, cost.anchor))
+    return _Schedule(tuple(assignments), max(loads) + replicated)

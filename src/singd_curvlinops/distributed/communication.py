@@ -1,0 +1,94 @@
+r"""The bytes an optimizer's collectives move per step, computed without running one.
+
+- **statistics**: the all-reduce of every update step: the stored entries of each
+  layer's \(H_K\), \(H_C\) and an example count (`bytes_per_update`); dense
+  \(U_K\), \(U_C\) under `Shard(factors="owned")`.
+- **gather**: the `all_gather` of a sharded step (see `engine`): every rank
+  receives every rank's share, padded to the largest, so the gathered buffer
+  holds `world_size` times the largest share. Factors travel on update steps
+  (`factors="replicated"`), (half-)preconditioned gradients on every step.
+- **checks**: the configuration check (once) and the step check of `Shard` (two
+  64-bit integers per step).
+
+DDP's own all-reduce of the gradients (the parameters' size, every step) comes
+on top under every strategy.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from singd_curvlinops.distributed import collectives
+from singd_curvlinops.distributed.assignment import stored_entries
+from singd_curvlinops.distributed.engine import GatheredStep
+from singd_curvlinops.distributed.layout import buffer_dtype
+from singd_curvlinops.distributed.strategy import Shard
+
+
+def bytes_per_update(optimizer: Any) -> int:
+    """Return the bytes each process sends per factor update (statistics only).
+
+    Args:
+        optimizer: A `SINGD` or `KFAC` optimizer.
+
+    Returns:
+        Size of the all-reduced buffer: every layer's stored entries of `H_K` and
+        `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
+        the factors' dtype.
+    """
+    strategy, total = optimizer.distribution, 0
+    dense = isinstance(strategy, Shard) and strategy.factors == "owned"
+    for layer in optimizer.layers:
+        group = layer.options(optimizer.param_groups[layer.group_index])
+        structures = ("dense", "dense") if dense else group["structures"]
+        entries = sum(
+            stored_entries(name, dim)
+            for name, dim in zip(structures, layer.dims, strict=True)
+        )
+        dtype = torch.promote_types(*layer.factor_dtypes(group))
+        total += (entries + 1) * dtype.itemsize
+    return total
+
+
+def bytes_per_step(
+    optimizer: Any, *, update: bool, world_size: int | None = None
+) -> dict[str, int]:
+    """Return the bytes of one step's collectives, by kind (see the module docs).
+
+    Args:
+        optimizer: A `SINGD` or `KFAC` optimizer.
+        update: Whether the step updates every layer's factors (else none).
+        world_size: Ranks to count for (default: the process group's size).
+
+    Returns:
+        `{"statistics": ..., "gather": ..., "checks": ...}` in bytes; the
+        gathered buffer as every rank receives it.
+    """
+    strategy = optimizer.distribution
+    world = world_size or collectives.world_size()
+    statistics = bytes_per_update(optimizer) if update and world > 1 else 0
+    if not isinstance(strategy, Shard) or world == 1:
+        return {"statistics": statistics, "gather": 0, "checks": 0}
+    layers = list(optimizer.layers)
+    groups = optimizer.param_groups
+    rule = optimizer.rule
+    plan = strategy.assignments(layers, groups, rule, world)
+    stepper = SimpleNamespace(state=optimizer.state, rule=rule)
+    step = GatheredStep(
+        stepper,
+        plan,
+        share_state=strategy.factors == "replicated",
+        dense_statistics=False,
+        local_directions=strategy.share == "factors",
+        world=world,
+    )
+    first, layout = step.layouts(layers, [update] * len(layers))
+    itemsize = buffer_dtype(layers, groups).itemsize
+    gathered = 0
+    for items in ([first] if first else []) + [layout]:
+        shares = [sum(item.numel for item in share) for share in items]
+        gathered += world * max(shares) * itemsize
+    return {"statistics": statistics, "gather": gathered, "checks": 16}

@@ -1,0 +1,376 @@
+r"""One step in which owners compute and a single `all_gather` shares the results.
+
+Given an `Assignment` per layer (None: every rank does the layer's work), a step
+
+1. **updates factors** where they are owned (every rank takes the all-reduced
+   statistics; the owner of a side, or of the layer, applies the rule);
+2. **preconditions** where it is owned: the owner of a whole layer computes
+   \(\Delta = P_C \Gamma P_K\); for a split layer, the owner of the anchor side
+   computes the half product (\(\Gamma P_K\) or \(P_C \Gamma\)); a layer sharded
+   by FSDP2 has every rank precondition its rows of \(\Gamma P_K\) (see `fsdp`);
+3. **shares** in one `all_gather`: each rank's (half-)preconditioned gradients,
+   one flag each (0: the layer has no gradient), and — if the factors are
+   replicated — the updated factors of its sides (not their momenta, which only
+   the owner reads: `FactorRule.owner_state`);
+4. **applies**: received state entries replace the local ones; every rank applies
+   the remaining side of split and row-sharded layers, and then weight decay,
+   momentum and the learning rate to every layer's \(\Delta\).
+
+Every rank applies the same gathered numbers, so the replicated parameters (and
+factors) stay bit-identical across ranks. The layout of every rank's share is
+computed on every rank from the assignment and the due layers alone. Where every
+rank preconditions with factors that owners just updated — FSDP2's rows, or
+`Shard(share="factors")` — the factors travel first, in an `all_gather` of
+their own (with `share="factors"` the only one: no directions travel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.distributed.collectives import (
+    all_gather_parts,
+    named_collective,
+    rank,
+    world_size,
+)
+from singd_curvlinops.distributed.fsdp import chunk_rows, is_sharded, local
+from singd_curvlinops.distributed.layout import (
+    Item,
+    Plan,
+    buffer_dtype,
+    kept_everywhere,
+    owned_sides,
+    rule_keys,
+    shape_of,
+    side_of,
+)
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorStatistics
+
+
+class GatheredStep:
+    r"""Run one step of a sharded strategy (see the module docs).
+
+    Args:
+        stepper: The shell's per-layer operations.
+        plan: Per layer, its assignment (None: every rank does its work).
+        share_state: Whether owners send their updated state entries (the
+            state stays replicated) or keep them (only owners hold factors).
+        dense_statistics: Whether the collected statistics are dense
+            \(U_K\), \(U_C\) (for owners that project them themselves).
+        local_directions: Whether every rank preconditions every layer itself
+            (only the factors are shared; `Shard(share="factors")`).
+        world: The number of ranks (default: the process group's), e.g. to
+            count the bytes of a step without one.
+    """
+
+    def __init__(
+        self,
+        stepper: Any,
+        plan: Plan,
+        *,
+        share_state: bool,
+        dense_statistics: bool,
+        local_directions: bool = False,
+        world: int | None = None,
+    ) -> None:
+        self.stepper = stepper
+        self.plan = plan
+        self.share_state = share_state
+        self.dense_statistics = dense_statistics
+        self.local_directions = local_directions
+        self.me, self.world = rank(), world or world_size()
+
+    def __call__(self, layers: Sequence[Layer]) -> None:
+        """Update, precondition, share and apply (see the module docs).
+
+        Args:
+            layers: The layers of this step, in the same order on every rank.
+        """
+        due = [self.stepper.due(layer) for layer in layers]
+        for layer, is_due in zip(layers, due, strict=True):
+            self._update(layer, is_due)
+        sharded = {layer for layer in layers if is_sharded(layer)}
+        first, layout = self.layouts(layers, due)
+        if first:  # the factors first, then the preconditioning
+            self._share(layers, first, {})
+        values = {layer: self._direction(layer, layer in sharded) for layer in layers}
+        received = self._share(layers, layout, values)
+        for layer in layers:
+            if layer in received:
+                self._apply(layer, received[layer], layer in sharded)
+
+    def layouts(
+        self, layers: Sequence[Layer], due: list[bool]
+    ) -> tuple[list[list[Item]] | None, list[list[Item]]]:
+        """Return what every rank sends in this step's `all_gather`(s).
+
+        Args:
+            layers: The layers.
+            due: Per layer, whether its factors update.
+
+        Returns:
+            The layout of a first gather of factors (FSDP2 with owned updates,
+            or `local_directions`; else None) and of the step's gather, each
+            per rank.
+        """
+        states = [self._state_items(layers, due, r) for r in range(self.world)]
+        sharded = {layer for layer in layers if is_sharded(layer)}
+        directions = [
+            self._direction_items(layers, sharded, r) for r in range(self.world)
+        ]
+        if (sharded or self.local_directions) and any(states):
+            return states, directions  # preconditioning needs the new factors
+        return None, [s + d for s, d in zip(states, directions, strict=True)]
+
+    # ---------------------------------------------------------------- factors
+    def _update(self, layer: Layer, due: bool) -> None:
+        """Take the statistics of a due layer; update the sides this rank owns.
+
+        Args:
+            layer: The layer.
+            due: Whether its factors update in this step.
+        """
+        if due:
+            statistics = self.stepper.take(layer)
+            if self.dense_statistics and statistics is not None:
+                statistics = _as_dense(statistics)
+            sides = owned_sides(self.plan[layer], self.me)
+            if self.stepper.rule.splits_sides and (sides or self.share_state):
+                self.stepper.update(layer, statistics, sides)  # () advances counters
+            elif sides:
+                self.stepper.update(layer, statistics)
+        self.stepper.finish(layer, due=due)
+
+    def _state_items(self, layers: Sequence[Layer], due: list[bool], r: int) -> list:
+        """Return the state entries rank `r` sends (of the sides it updated).
+
+        Entries that only their owner keeps (`FactorRule.owner_state`) stay.
+
+        Args:
+            layers: The layers.
+            due: Per layer, whether it updated.
+            r: The rank.
+
+        Returns:
+            Its `Item`s.
+        """
+        if not self.share_state:
+            return []
+        rule, items = self.stepper.rule, []
+        for layer, is_due in zip(layers, due, strict=True):
+            assignment = self.plan[layer]
+            sides = owned_sides(assignment, r)
+            if not is_due or assignment is None or not sides:
+                continue
+            state = self.stepper.state[layer.weight]
+            keys = rule_keys(state, rule, sides if rule.splits_sides else None)
+            shared = [key for key in keys if kept_everywhere(key, rule, owned=False)]
+            items += [Item(layer, "state", key, shape_of(state[key])) for key in shared]
+        return items
+
+    # ------------------------------------------------------------- directions
+    def _direction_items(
+        self, layers: Sequence[Layer], sharded: set[Layer], r: int
+    ) -> list[Item]:
+        """Return the (half-)preconditioned gradients rank `r` sends.
+
+        Args:
+            layers: The layers.
+            sharded: The row-sharded layers.
+            r: The rank.
+
+        Returns:
+            Its `Item`s, each direction followed by its flag.
+        """
+        items = []
+        for layer in layers:
+            d_K, d_C = layer.dims
+            if layer in sharded:
+                shape = (chunk_rows(layer, self.world), d_K)
+            elif self._local(layer) or self.plan[layer].direction_owner != r:
+                continue
+            else:
+                shape = (d_C, d_K)
+            items += [
+                Item(layer, "direction", "", shape),
+                Item(layer, "flag", "", (1,)),
+            ]
+        return items
+
+    def _direction(self, layer: Layer, sharded: bool) -> Tensor | None:
+        """Compute this rank's (half-)preconditioned gradient of a layer.
+
+        A replicated layer (no assignment, not sharded) is stepped right here.
+
+        Args:
+            layer: The layer.
+            sharded: Whether its gradient is row-sharded.
+
+        Returns:
+            What this rank sends for the layer (None: nothing or no gradient).
+        """
+        assignment, local_work = self.plan[layer], self._local(layer)
+        mine = sharded or local_work or assignment.direction_owner == self.me
+        grad = self.stepper.gradient(layer) if mine else None
+        if grad is None:
+            return None
+        split = not (sharded or local_work) and assignment.anchor is not None
+        if split:  # the anchor side alone; its product stays cached until the update
+            record = self.stepper.preconditioner(layer, (assignment.anchor,))
+            return record.apply_side(assignment.anchor, grad, overwrite=True)
+        record = self.stepper.preconditioner(layer, (0, 1))
+        if sharded:
+            return record.apply_side(0, grad, overwrite=True)
+        if local_work:  # replicated work on this rank alone
+            self.stepper.apply(layer, record.apply(grad, overwrite=True))
+            return None
+        return record.apply(grad, overwrite=True)
+
+    def _local(self, layer: Layer) -> bool:
+        """Return whether every rank preconditions the layer itself.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            True for replicated work or shared factors (not for row shards).
+        """
+        return (self.plan[layer] is None or self.local_directions) and not is_sharded(
+            layer
+        )
+
+    # ---------------------------------------------------------------- sharing
+    def _share(
+        self, layers: Sequence[Layer], layout: list[list[Item]], values: dict
+    ) -> dict[Layer, dict[int, tuple[Tensor, bool]]]:
+        """All-gather every rank's items; write received state; collect the rest.
+
+        Args:
+            layers: The layers of the step.
+            layout: Per rank, its items.
+            values: This rank's direction per layer (None: no gradient).
+
+        Returns:
+            Per layer with directions, per sending rank: `(direction, flag)`.
+        """
+        sizes = [sum(item.numel for item in items) for items in layout]
+        if not any(sizes):
+            return {}
+        dtype = buffer_dtype(layers, self.stepper.groups)
+        device = local(layers[0].weight).device
+        parts = [self._value(item, values) for item in layout[self.me]]
+        with named_collective("The all_gather of a sharded optimizer's step"):
+            buffers = all_gather_parts(parts, sizes, dtype, device)
+        directions, flags = {}, []
+        for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
+            chunks = flat.split([item.numel for item in items])
+            for item, flat_chunk in zip(items, chunks, strict=True):
+                chunk = flat_chunk.view(item.shape)
+                if item.kind == "direction":
+                    directions[item.layer, sender] = chunk
+                elif item.kind == "flag":
+                    flags.append((item.layer, sender, chunk))
+                elif sender != self.me:
+                    self._receive_state(item, chunk)
+        present = torch.cat([c for *_, c in flags]).tolist() if flags else []
+        received: dict[Layer, dict[int, tuple[Tensor, bool]]] = {}
+        for (layer, sender, _), flag in zip(flags, present, strict=True):
+            received.setdefault(layer, {})[sender] = (
+                directions[layer, sender],
+                bool(flag),
+            )
+        return received
+
+    def _value(self, item: Item, values: dict) -> Tensor:
+        """Return the tensor this rank sends for one of its items.
+
+        Args:
+            item: The item.
+            values: This rank's direction per layer.
+
+        Returns:
+            The tensor (zeros for a missing direction, rows padded).
+        """
+        weight = local(item.layer.weight)
+        if item.kind == "state":
+            value = self.stepper.state[item.layer.weight][item.key]
+            return value if isinstance(value, Tensor) else torch.tensor([value])
+        direction = values.get(item.layer)
+        if item.kind == "flag":
+            return torch.tensor([float(direction is not None)], device=weight.device)
+        if direction is not None and tuple(direction.shape) == item.shape:
+            return direction
+        padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
+        if direction is not None:
+            padded[: direction.shape[0]] = direction
+        return padded
+
+    def _receive_state(self, item: Item, chunk: Tensor) -> None:
+        """Write a received state entry into this rank's state.
+
+        Args:
+            item: The entry.
+            chunk: Its value.
+        """
+        state = self.stepper.state[item.layer.weight]
+        old = state[item.key]
+        if isinstance(old, Tensor):
+            old.copy_(chunk)
+        else:  # a number of the rule's (e.g. a counter): one host read
+            value = chunk.item()
+            state[item.key] = round(value) if isinstance(old, int) else value
+        side = side_of(item.key, self.stepper.rule)
+        self.stepper.forget(item.layer, (0, 1) if side is None else (side,))
+
+    # ---------------------------------------------------------------- apply
+    def _apply(
+        self, layer: Layer, parts: dict[int, tuple[Tensor, bool]], sharded: bool
+    ) -> None:
+        """Finish a layer's direction from the gathered parts and apply it.
+
+        Args:
+            layer: The layer.
+            parts: Per sending rank, `(direction, flag)`.
+            sharded: Whether the layer is row-sharded.
+        """
+        weight = local(layer.weight)
+        if sharded:
+            if not any(flag for _, flag in parts.values()):
+                return
+            Y = torch.cat([parts[r][0] for r in range(self.world)])[: layer.dims[1]]
+            first = self.me * chunk_rows(layer, self.world)
+            record = self.stepper.preconditioner(layer, (0, 1))
+            full = record.apply_side(1, Y, overwrite=True)
+            direction = full[first : first + weight.shape[0]]
+        else:
+            assignment = self.plan[layer]
+            direction, flag = parts[assignment.direction_owner]
+            if not flag:
+                return
+            if assignment.anchor is not None:
+                other = 1 - assignment.anchor
+                record = self.stepper.preconditioner(layer, (other,))
+                direction = record.apply_side(other, direction, overwrite=True)
+        self.stepper.apply(layer, direction.to(weight.dtype))
+
+
+def _as_dense(statistics: FactorStatistics) -> FactorStatistics:
+    r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
+
+    Args:
+        statistics: Collected dense statistics (or already handed over).
+
+    Returns:
+        The same numbers, in the form rules project themselves.
+    """
+    if statistics.collected is None:
+        return statistics
+    return FactorStatistics(
+        handed_over=tuple(M.to_dense() for M in statistics.collected)
+    )

@@ -1,0 +1,292 @@
+r"""The operations of one optimizer step on one layer, for a distribution strategy.
+
+`KroneckerOptimizer.step` hands a `LayerStepper` to its distribution strategy
+(`singd_curvlinops.distributed`), which decides where each operation runs:
+`Replicate` calls `step_layer` for every layer on every rank; `Shard` lets each
+layer's owner update the factors and precondition, and shares the results. The
+stepper knows the rule, the collector and the state, not the strategy.
+
+Under FSDP2 a layer's parameters are row shards (`DTensor`): `gradient` returns
+this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Parameter
+
+from singd_curvlinops import parameter_update
+from singd_curvlinops.collector import StatisticsCollector
+from singd_curvlinops.distributed.fsdp import is_sharded, local
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorRule, FactorStatistics, Preconditioner
+
+Records = Callable[[Layer, tuple[int, ...]], Preconditioner]
+
+
+def is_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
+    """Return whether a layer's factors update at its next step.
+
+    Args:
+        state: The layer's state.
+        group: Its parameter group.
+
+    Returns:
+        Whether its step counter is a multiple of the group's `T`.
+    """
+    return state["step"] % group["T"] == 0
+
+
+class LayerStepper:
+    """The shell's per-layer operations within one step.
+
+    Args:
+        rule: The optimizer's factor rule.
+        collector: Its statistics collector.
+        state: Its state.
+        groups: Its parameter groups.
+        records: Its cached preconditioner of a layer for some sides.
+        forget: Drops a layer's cached preconditioners of some sides.
+        grad_scale: Scale of the gradients (a `GradScaler`'s), or None.
+        current_scale: Gradient scale of this backward pass, if known.
+    """
+
+    def __init__(
+        self,
+        *,
+        rule: FactorRule,
+        collector: StatisticsCollector,
+        state: dict[Parameter, dict[str, Any]],
+        groups: list[dict[str, Any]],
+        records: Records,
+        forget: Callable[..., None],
+        grad_scale: Tensor | None,
+        current_scale: float | None,
+    ) -> None:
+        self.rule = rule
+        self.state = state
+        self.groups = groups
+        self.preconditioner = records
+        self.forget = forget
+        self._collector = collector
+        self._grad_scale = grad_scale
+        self._current_scale = current_scale
+
+    def group(self, layer: Layer) -> dict[str, Any]:
+        """Return the layer's parameter group.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Its group.
+        """
+        return layer.options(self.groups[layer.group_index])
+
+    def due(self, layer: Layer) -> bool:
+        """Return whether the layer's factors update in this step.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Whether its step counter is a multiple of its group's `T`.
+        """
+        return is_due(self.state[layer.weight], self.group(layer))
+
+    def _statistics_scale(self, layer: Layer) -> float:
+        """Return the scale of the output gradients in this step's statistics.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            The current scale if known, else the one the layer expected.
+        """
+        return self._current_scale or self.state[layer.weight]["grad_scale"]
+
+    def take(self, layer: Layer) -> FactorStatistics | None:
+        """Remove and return the statistics of the layer's factor update.
+
+        Args:
+            layer: A due layer.
+
+        Returns:
+            The statistics (see `StatisticsCollector.take`), or None.
+        """
+        return self._collector.take(
+            layer, self.group(layer)["loss_average"], self._statistics_scale(layer)
+        )
+
+    def update(
+        self,
+        layer: Layer,
+        statistics: FactorStatistics | None,
+        sides: tuple[int, ...] | None = None,
+    ) -> None:
+        """Update the layer's factors with the rule (nothing without statistics).
+
+        Args:
+            layer: The layer.
+            statistics: From `take`.
+            sides: The sides to update (rules with `splits_sides`); None: all.
+        """
+        if statistics is None:
+            return
+        kwargs = {} if sides is None else {"sides": sides}
+        record = (
+            self.preconditioner(layer, ()) if self.rule.reads_preconditioner else None
+        )
+        self.rule.update(
+            self.state[layer.weight], self.group(layer), statistics, record, **kwargs
+        )
+        self.forget(layer, (0, 1) if sides is None else sides)
+
+    def finish(self, layer: Layer, *, due: bool) -> None:
+        """Drop statistics that are not due, advance the step counter.
+
+        Args:
+            layer: The layer.
+            due: Whether its factors were due in this step.
+        """
+        if not due:
+            self._collector.discard(layer)
+        state = self.state[layer.weight]
+        state["step"] += 1
+        state["grad_scale"] = self._statistics_scale(layer)
+
+    def gradient(self, layer: Layer) -> Tensor | None:
+        r"""Return the unscaled \(\Gamma\) (this rank's rows under FSDP2).
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            A new tensor `[rows, d_K]`, or None if no parameter has a gradient.
+        """
+        params = tuple(local(p) for p in layer.params)
+        grads = [None if p.grad is None else local(p.grad) for p in layer.params]
+        if any(g is not None for g in grads) and not params[0].numel():
+            return params[0].new_zeros(0, layer.dims[0])  # an empty row shard
+        grad = layer.gradient_matrix(params, grads)
+        if grad is not None and self._grad_scale is not None:
+            grad.div_(self._grad_scale.to(grad.dtype))
+        return grad
+
+    def apply(self, layer: Layer, direction: Tensor) -> None:
+        r"""Graft, then apply weight decay, momentum and the learning rate.
+
+        With `graft` in the layer's group, \(\Delta\) is first rescaled to the
+        norm of the grafted optimizer's direction on the layer's gradient
+        (`parameter_update`); each parameter then takes its own group's options,
+        and a parameter without a gradient is not touched.
+
+        Args:
+            layer: The layer.
+            direction: \(\Delta\) in the layout of \(\Gamma\) (this rank's rows
+                under FSDP2); it may be overwritten.
+        """
+        if not local(layer.params[0]).numel():  # an empty row shard: nothing here
+            return
+        group = self.group(layer)
+        if group["graft"] is not None:
+            grad = self.gradient(layer)
+            norm = parameter_update.graft_norm(grad, self.state[layer.weight], group)
+            parameter_update.rescale(direction, norm)
+        parameter_update.step_layer(
+            layer, direction, self.groups, self.state, local=local
+        )
+
+    def check(self, layers: list[Layer]) -> None:
+        """Raise before any change if an option cannot work on these layers.
+
+        Args:
+            layers: The layers of this step.
+
+        Raises:
+            ValueError: For grafting on an FSDP2 row shard (the grafted norm is
+                that of the whole layer, which no rank holds).
+        """
+        for layer in layers:
+            if self.group(layer)["graft"] is not None and is_sharded(layer):
+                raise ValueError(
+                    f"Layer {layer.name!r}: graft={self.group(layer)['graft']!r} "
+                    "needs the whole gradient of the layer; FSDP2 shards it. Use "
+                    "graft=None for sharded layers."
+                )
+
+    def step_layer(self, layer: Layer) -> None:
+        """Do the whole step of one layer on this rank (replicated work).
+
+        Args:
+            layer: The layer.
+        """
+        due = self.due(layer)
+        if due:
+            self.update(layer, self.take(layer))
+        self.finish(layer, due=due)
+        grad = self.gradient(layer)
+        if grad is not None:
+            direction = self.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)
+            self.apply(layer, direction)
+
+
+class PreconditionerCache:
+    """An optimizer's preconditioners, per layer and sides, until factors change.
+
+    A record caches products only for the sides this rank applies
+    (`FactorRule.splits_sides`); the statistics hooks ask for none, the step of a
+    whole layer for both. Rules that cannot split build one record per layer.
+
+    Args:
+        optimizer: The optimizer shell (its rule, state, groups and strategy).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
+
+    def __call__(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
+        """Return a layer's record with products cached for `sides`.
+
+        Args:
+            layer: The layer.
+            sides: The sides this rank applies.
+
+        Returns:
+            The rule's record (cached).
+        """
+        optimizer = self._optimizer
+        splits = optimizer.rule.splits_sides
+        sides = sides if splits else (0, 1)
+        records = self._records.setdefault(layer, {})
+        if sides not in records:
+            optimizer.distribution.check_holds(layer)
+            kwargs = {"sides": sides} if splits else {}
+            records[sides] = optimizer.rule.preconditioner(
+                optimizer.state[layer.weight],
+                layer.options(optimizer.param_groups[layer.group_index]),
+                **kwargs,
+            )
+        return records[sides]
+
+    def forget(self, layer: Layer, sides: tuple[int, ...] = (0, 1)) -> None:
+        """Drop a layer's records that cache a product of a changed side.
+
+        A record's factors are the state's tensors, updated in place; only its
+        cached products (`K Kᵀ`, `C Cᵀ`, KFAC's inverses) go stale.
+
+        Args:
+            layer: The layer.
+            sides: The sides whose factors changed.
+        """
+        records = self._records.get(layer, {})
+        for cached in [c for c in records if set(c) & set(sides)]:
+            del records[cached]
+
+    def clear(self) -> None:
+        """Drop every record."""
+        self._records.clear()

@@ -1,0 +1,212 @@
+"""Spawned gloo process groups for the sharding tests, and what the ranks train.
+
+`spawn(job, world)` runs `job(results, out_dir)` on `world` fresh processes (one
+torch thread each) and returns every rank's results; a hang, crash or exception
+fails the calling test. Tensors travel through `torch.save` files. The training
+pieces (`Case`, `train`, `reference`) are shared by the workers and by the
+single-process references the tests compute in the parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops.distributed import Shard
+
+BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
+STEPS = 6
+TOLERANCE = 1e-10
+CLASSES = {"three": 60, "two": 2}  # 2 rows on 3 ranks: an empty FSDP2 shard
+SPARSE = {
+    "lr": 0.1,
+    "lr_cov": 0.1,
+    "T": 2,
+    "alpha1": 0.5,
+    "momentum": 0.5,
+    "damping": 1e-3,
+    "weight_decay": 1e-3,
+    "structures": ("block3diagonal", "triltoeplitz"),
+}
+DENSE = {**SPARSE, "T": 1, "structures": ("dense", "dense")}
+IKFAC = {**SPARSE, "kfac_like": True, "structures": ("dense", "diagonal")}
+KFAC_OPTIONS = {"lr": 0.05, "momentum": 0.5, "damping": 0.1, "T": 2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training configuration.
+
+    Attributes:
+        options: Optimizer options.
+        wrap: `"ddp"`, `"manual"` (gradients all-reduced by hand), `"accumulate"`
+            (two micro-batches, DDP's `no_sync` on the first), `"fsdp"` or
+            `"fsdp_accumulate"` (FSDP2, gradient sync off on the first).
+        distribute: `"replicate"`, `"shard"`, `"owned"` (`Shard(factors="owned")`)
+            or `"factors"` (`Shard(share="factors")`).
+        kfac: The `KFAC` optimizer instead of `SINGD`.
+        model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60) or `"two"`
+            (Conv2d 2→3, Linear 48→2).
+    """
+
+    options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
+    wrap: str = "ddp"
+    distribute: str = "shard"
+    kfac: bool = False
+    model: str = "three"
+
+
+def build_model(name: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    if name == "two":
+        tail = [nn.Linear(48, CLASSES["two"])]
+    else:
+        tail = [nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, CLASSES["three"])]
+    conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+    return nn.Sequential(conv, nn.ReLU(), nn.Flatten(), *tail).double()
+
+
+def batch(step: int, model: str) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    X = torch.randn(BATCH, 2, 8, 8, generator=generator, dtype=torch.float64)
+    return X, torch.randint(0, CLASSES[model], (BATCH,), generator=generator)
+
+
+def strategy(name: str) -> Any:
+    named = {"owned": Shard(factors="owned"), "factors": Shard(share="factors")}
+    return named.get(name, name)
+
+
+def make_optimizer(case: Case, net: nn.Module) -> Any:
+    cls = KFAC if case.kfac else SINGD
+    return cls(net, distribute=strategy(case.distribute), **case.options)
+
+
+def wrap(case: Case, model: nn.Module) -> nn.Module:
+    if case.wrap.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        return fully_shard(model)
+    if case.wrap == "manual":
+        return model
+    return DistributedDataParallel(model)
+
+
+def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
+    """One step on this rank's share of the global batch (all of it alone)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    X, y = batch(step, case.model)
+    local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    X, y = X[local], y[local]
+    optimizer.zero_grad()
+    if case.wrap.endswith("accumulate") and world > 1:
+        micro = list(zip(X.chunk(2), y.chunk(2), strict=True))
+        for index, (X_micro, y_micro) in enumerate(micro):
+            last = index == len(micro) - 1
+            _sync(net, case, last)
+            with (
+                nullcontext() if last or case.wrap.startswith("fsdp") else net.no_sync()
+            ):
+                (F.cross_entropy(net(X_micro), y_micro) / len(micro)).backward()
+    else:
+        F.cross_entropy(net(X), y).backward()
+        if case.wrap == "manual" and world > 1:
+            for param in net.parameters():
+                dist.all_reduce(param.grad)
+                param.grad /= world
+    optimizer.step()
+
+
+def _sync(net: nn.Module, case: Case, last: bool) -> None:
+    if case.wrap.startswith("fsdp"):
+        net.set_requires_gradient_sync(last)
+
+
+def params(model: nn.Module) -> list[Tensor]:
+    """The full parameters (gathered from FSDP2's shards: a collective)."""
+    full = [
+        p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()
+    ]
+    return [p.detach().clone() for p in full]
+
+
+def train(case: Case, steps: int = STEPS) -> tuple[nn.Module, nn.Module, Any]:
+    model = build_model(case.model)
+    net = wrap(case, model) if dist.is_initialized() else model
+    optimizer = make_optimizer(case, net)
+    for step in range(steps):
+        train_step(case, net, optimizer, step)
+    return model, net, optimizer
+
+
+def reference(case: Case, steps: int = STEPS) -> list[Tensor]:
+    """One process on the concatenated batch (call without a process group)."""
+    single = Case(case.options, "manual", "replicate", case.kfac, case.model)
+    return params(train(single, steps)[0])
+
+
+# -------------------------------------------------------------- the processes
+def _worker(rank: int, world: int, out_dir: str, job: str, timeout: float) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    results: dict[str, Any] = {"error": None}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{out / 'store'}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
+        module, name = job.split(":")
+        getattr(importlib.import_module(module), name)(results, out)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # reported by the parent
+        results["error"] = traceback.format_exc()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def spawn(job: str, world: int, out_dir: Path, *, timeout: float = 30.0) -> list[dict]:
+    """Run `job` ("module:function") on `world` processes; fail on any problem."""
+    context = mp.get_context("spawn")
+    processes = [
+        context.Process(target=_worker, args=(r, world, str(out_dir), job, timeout))
+        for r in range(world)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + 150.0
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [process for process in processes if process.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join()
+    if hung:
+        pytest.fail(f"{len(hung)} of {world} processes hung")
+    results = [
+        torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)
+    ]
+    for r, result in enumerate(results):
+        assert result["error"] is None, f"rank {r}:\n{result['error']}"
+    return results

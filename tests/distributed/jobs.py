@@ -1,0 +1,308 @@
+"""What the spawned ranks of `test_sharding.py` run (one function per spawn).
+
+Every function fills `results` with plain tensors and containers; the tests
+compare them with single-process references.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import functional as F
+
+from singd_curvlinops import SINGD
+from singd_curvlinops.bench.distributed import (
+    STRATEGIES,
+    Setting,
+    measure_distributed,
+)
+from singd_curvlinops.distributed import bytes_per_step
+from tests.distributed.harness import (
+    DENSE,
+    IKFAC,
+    KFAC_OPTIONS,
+    SPARSE,
+    STEPS,
+    Case,
+    batch,
+    build_model,
+    make_optimizer,
+    params,
+    train,
+    train_step,
+    wrap,
+)
+
+HIERARCHICAL = {**SPARSE, "T": 3, "structures": ("hierarchical5_5", "triutoeplitz")}
+CASES_W2 = {
+    "dense": Case(DENSE),
+    "dense_replicate": Case(DENSE, distribute="replicate"),
+    "sparse": Case(SPARSE),
+    "hierarchical_manual": Case(HIERARCHICAL, "manual"),
+    "ikfac": Case(IKFAC),
+    "kfac": Case(KFAC_OPTIONS, kfac=True),
+    "accumulate": Case(SPARSE, "accumulate"),
+    "factors_dense": Case(DENSE, distribute="factors"),
+    "factors_sparse": Case(SPARSE, distribute="factors"),
+    "owned_dense": Case(DENSE, distribute="owned"),
+    "owned_sparse": Case(SPARSE, distribute="owned"),
+    "owned_kfac": Case(KFAC_OPTIONS, distribute="owned", kfac=True),
+    "owned_accumulate": Case(SPARSE, "accumulate", "owned"),
+    "fsdp_replicate": Case(DENSE, "fsdp", "replicate"),
+    "fsdp_shard": Case(SPARSE, "fsdp"),
+    "fsdp_ikfac": Case(IKFAC, "fsdp"),
+    "fsdp_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
+    "fsdp_accumulate": Case(SPARSE, "fsdp_accumulate"),
+}
+CASES_W3 = {
+    "dense": Case(DENSE),
+    "ikfac": Case(IKFAC),
+    "two_dense": Case(DENSE, model="two"),
+    "two_kfac": Case(KFAC_OPTIONS, kfac=True, model="two"),
+    "two_owned": Case(SPARSE, distribute="owned", model="two"),
+    "factors_ikfac": Case(IKFAC, distribute="factors"),
+    "fsdp_shard": Case(SPARSE, "fsdp"),
+    "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
+}
+RESUME_AT = 3
+
+
+def _plan(optimizer: Any) -> list:
+    return [
+        (a.owners, a.anchor)
+        for a in getattr(optimizer.distribution, "plan", {}).values()
+    ]
+
+
+def _equivalence(results: dict[str, Any], cases: dict[str, Case]) -> None:
+    for name, case in cases.items():
+        model, _, optimizer = train(case)
+        results[f"params/{name}"] = params(model)
+        results[f"plan/{name}"] = _plan(optimizer)
+        held = [
+            any(key.startswith(("K.", "A.")) for key in optimizer.state[layer.weight])
+            for layer in optimizer.layers
+        ]
+        results[f"held/{name}"] = held
+        results[f"momenta/{name}"] = [
+            [
+                any(key.startswith(f"{m}.") for key in optimizer.state[layer.weight])
+                for m in ("m_K", "m_C")
+            ]
+            for layer in optimizer.layers
+        ]
+        state = optimizer.state_dict()  # collective when owned
+        if not case.wrap.startswith("fsdp"):  # (DTensor momenta do not load in tests)
+            results[f"state/{name}"] = state
+
+
+def train_w2(results: dict[str, Any], out: Path) -> None:
+    _equivalence(results, CASES_W2)
+    for distribute in ("shard", "owned"):
+        _resume(results, out, Case(SPARSE, distribute=distribute), distribute)
+    _resume(results, out, Case(SPARSE, "fsdp"), "fsdp", files=False)
+    for saved, loaded in (
+        ("replicate", "shard"),
+        ("replicate", "owned"),
+        ("shard", "replicate"),
+        ("owned", "replicate"),
+    ):
+        _cross(results, out, saved, loaded)
+    _bytes(results)
+    settings = [Setting("cnn", "diagonal", 1, name) for name in STRATEGIES]
+    results["bench"] = measure_distributed(settings, 1, 1, 0)
+
+
+def train_w3(results: dict[str, Any], out: Path) -> None:
+    _equivalence(results, CASES_W3)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _checkpoint(case: Case, out: Path, tag: str, files: bool) -> dict[str, Any]:
+    """Train to RESUME_AT, save (rank-0 file and DCP), train on; record all."""
+    model = build_model(case.model)
+    net = wrap(case, model)
+    optimizer = make_optimizer(case, net)
+    saved: dict[str, Any] = {}
+    for step in range(STEPS):
+        if step == RESUME_AT:
+            state = optimizer.state_dict()  # on every rank: collective when owned
+            if files and dist.get_rank() == 0:
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": state}, out / f"{tag}.pt"
+                )
+            dist.barrier()
+            saved["dcp"] = copy.deepcopy(get_optimizer_state_dict(net, optimizer))
+            saved["model"] = copy.deepcopy(model.state_dict())
+        train_step(case, net, optimizer, step)
+    saved["params"] = params(model)
+    saved["state"] = _plain(optimizer.state_dict())
+    return saved
+
+
+def _continue(case: Case, model_state: dict, load: Any) -> tuple[list, dict]:
+    model = build_model(case.model)
+    net = wrap(case, model)
+    model.load_state_dict(model_state)
+    optimizer = make_optimizer(case, net)
+    load(net, optimizer)
+    for step in range(RESUME_AT, STEPS):
+        train_step(case, net, optimizer, step)
+    return params(model), _plain(optimizer.state_dict())
+
+
+def _plain(state: Any) -> Any:
+    """Replace DTensors (FSDP2's momenta) by their local shards."""
+    if hasattr(state, "to_local"):
+        return state.to_local().clone()
+    if isinstance(state, dict):
+        return {key: _plain(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_plain(value) for value in state]
+    return state
+
+
+def _resume(results: dict, out: Path, case: Case, tag: str, files: bool = True) -> None:
+    saved = _checkpoint(case, out, tag, files)
+    results[f"resume/{tag}/uninterrupted"] = (saved["params"], saved["state"])
+    if files:
+        file = torch.load(out / f"{tag}.pt", weights_only=True)
+        results[f"resume/{tag}/file"] = _continue(
+            case, file["model"], lambda net, opt: opt.load_state_dict(file["optimizer"])
+        )
+    results[f"resume/{tag}/dcp"] = _continue(
+        case,
+        saved["model"],
+        lambda net, opt: set_optimizer_state_dict(
+            net, opt, optim_state_dict=saved["dcp"]
+        ),
+    )
+
+
+def _cross(results: dict, out: Path, saved_under: str, loaded_under: str) -> None:
+    tag = f"cross_{saved_under}"
+    if f"cross/{saved_under}" not in results:
+        saved = _checkpoint(Case(SPARSE, distribute=saved_under), out, tag, True)
+        results[f"cross/{saved_under}"] = saved["params"]
+    file = torch.load(out / f"{tag}.pt", weights_only=True)
+    results[f"cross/{saved_under}->{loaded_under}"] = _continue(
+        Case(SPARSE, distribute=loaded_under),
+        file["model"],
+        lambda net, opt: opt.load_state_dict(file["optimizer"]),
+    )[0]
+
+
+# ---------------------------------------------------------------------- bytes
+def _bytes(results: dict[str, Any]) -> None:
+    """Record the floating-point collectives of an update and a plain step."""
+    for name, case in (
+        ("shard", Case(SPARSE)),
+        ("owned", Case(SPARSE, distribute="owned")),
+        ("factors", Case(SPARSE, distribute="factors")),
+    ):
+        model = build_model(case.model)
+        net = wrap(case, model)
+        optimizer = make_optimizer(case, net)
+        for step in range(2):  # T = 2: an update step, then a plain one
+            recorded = _recorded(partial(train_step, case, net, optimizer, step))
+            results[f"bytes/{name}/{step}"] = recorded
+            results[f"bytes/{name}/{step}/reported"] = bytes_per_step(
+                optimizer, update=step == 0
+            )
+
+
+def _recorded(function: Any) -> dict[str, int]:
+    """Return the bytes of the float all-reduces and all-gathers `function` makes."""
+    originals = dist.all_reduce, dist.all_gather
+    recorded = {"all_reduce": [], "all_gather": []}
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.is_floating_point():
+            recorded["all_reduce"].append(tensor.numel() * tensor.element_size())
+        return originals[0](tensor, *args, **kwargs)
+
+    def all_gather(
+        tensors: list, tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        recorded["all_gather"].append(
+            len(tensors) * tensor.numel() * tensor.element_size()
+        )
+        return originals[1](tensors, tensor, *args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    try:
+        function()
+    finally:
+        dist.all_reduce, dist.all_gather = originals
+    return recorded
+
+
+# --------------------------------------------------------------------- misuse
+def misuse(results: dict[str, Any], out: Path) -> None:
+    rank = dist.get_rank()
+    for label, options in {
+        "distribute": ("replicate", "shard"),
+        "factors": ("shard", "owned"),
+    }.items():
+        case = Case(SPARSE, "manual", options[rank])
+        results[f"misuse/{label}"] = _error(lambda case=case: train(case, steps=1))
+    results["misuse/resumed_apart"] = _error(lambda: _resumed_apart(rank))
+    case = Case(SPARSE, "manual", "owned")
+    optimizer = train(case, steps=1)[2]
+    results["misuse/not_held"] = [
+        _error(partial(optimizer.preconditioner, layer)) for layer in optimizer.layers
+    ]
+    results["misuse/fsdp_owned"] = _error(
+        lambda: train(Case(SPARSE, "fsdp", "owned"), steps=1)
+    )
+    dist.barrier()
+    _never_steps(results, out, rank)  # last: the process group is broken afterwards
+
+
+def _error(function: Any) -> str:
+    try:
+        function()
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _resumed_apart(rank: int) -> None:
+    """Rank 1 resumes from a later checkpoint than rank 0."""
+    case = Case(SPARSE, "manual", "shard")
+    model = build_model(case.model)
+    optimizer = SINGD(model, distribute="shard", **case.options)
+    if rank == 1:
+        state = optimizer.state_dict()
+        for entry in state["state"].values():
+            if "step" in entry:  # the layers' entries (not the biases')
+                entry["step"] += 1
+        optimizer.load_state_dict(state)
+    train_step(case, model, optimizer, 0)
+
+
+def _never_steps(results: dict[str, Any], out: Path, rank: int) -> None:
+    """Rank 1 never calls step(): rank 0 must time out with a message."""
+    signal = out / "rank0_done"
+    case = Case(SPARSE, "manual", "shard")
+    model = build_model(case.model)
+    optimizer = make_optimizer(case, model)
+    if rank == 0:
+        X, y = batch(0, case.model)
+        F.cross_entropy(model(X), y).backward()  # (no collective before the step)
+        results["misuse/never_steps"] = _error(optimizer.step)
+        signal.touch()
+        return
+    deadline = time.monotonic() + 60
+    while not signal.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)

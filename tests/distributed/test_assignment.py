@@ -1,0 +1,103 @@
+"""The cost model and the balanced assignment (pure functions, no processes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from singd_curvlinops.distributed.assignment import (
+    Assignment,
+    LayerCost,
+    assign,
+    layer_cost,
+)
+
+MLP = [(785, 512), (513, 512), (513, 10)]  # the benchmark's MLP: (d_K, d_C)
+
+
+def _loads(costs: list[LayerCost], plan: list[Assignment], world: int) -> list[float]:
+    """Each rank's work under `plan`, computed from the costs (independently)."""
+    loads = [0.0] * world
+    for cost, assignment in zip(costs, plan, strict=True):
+        if assignment.anchor is None:
+            loads[assignment.owners[0]] += cost.whole
+            continue
+        a, b = assignment.anchor, 1 - assignment.anchor
+        loads[assignment.owners[a]] += cost.update[a] + cost.build[a] + cost.apply[a]
+        loads[assignment.owners[b]] += cost.update[b]
+        for rank in range(world):  # every rank applies the other side
+            loads[rank] += cost.build[b] + cost.apply[b]
+    return loads
+
+
+def _mlp(T: int, splittable: bool = True) -> list[LayerCost]:
+    return [layer_cost(("dense", "dense"), dims, T, splittable) for dims in MLP]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_assignments_are_deterministic_and_within_the_world(world: int) -> None:
+    rng = random.Random(world)
+    costs = [
+        layer_cost(
+            ("dense", rng.choice(["diagonal", "dense", "block4diagonal"])),
+            (rng.randint(1, 80), rng.randint(1, 80)),
+            rng.choice([1, 10]),
+            rng.random() < 0.5,
+        )
+        for _ in range(7)
+    ]
+    plan = assign(costs, world)
+    assert plan == assign(list(costs), world)
+    for cost, assignment in zip(costs, plan, strict=True):
+        assert all(0 <= owner < world for owner in assignment.owners)
+        if assignment.anchor is None:
+            assert assignment.owners[0] == assignment.owners[1]
+        else:
+            assert cost.splittable and assignment.owners[0] != assignment.owners[1]
+
+
+def test_one_rank_does_all_the_work() -> None:
+    assert assign(_mlp(1), 1) == [Assignment((0, 0))] * 3
+
+
+def test_more_ranks_than_layers_leave_ranks_idle() -> None:
+    plan = assign(_mlp(10, splittable=False), 5)
+    owners = [assignment.owners for assignment in plan]
+    assert sorted(owners) == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_a_dominant_layer_is_split_and_lowers_the_largest_load() -> None:
+    costs = _mlp(1)
+    assert costs[0].whole > sum(cost.whole for cost in costs) / 2  # it dominates
+    plan = assign(costs, 2)
+    assert plan[0].anchor == 0 and set(plan[0].owners) == {0, 1}
+    whole = assign(_mlp(1, splittable=False), 2)
+    assert max(_loads(costs, plan, 2)) < 0.9 * max(_loads(costs, whole, 2))
+
+
+def test_layers_that_cannot_split_stay_whole() -> None:
+    for world in (2, 3, 4):
+        assert all(a.anchor is None for a in assign(_mlp(1, splittable=False), world))
+
+
+@pytest.mark.parametrize(("dims", "anchor"), [((49, 12), 0), ((13, 50), 1)])
+def test_the_anchor_is_the_side_costlier_to_apply(dims: tuple, anchor: int) -> None:
+    assert layer_cost(("dense", "dense"), dims, 1, True).anchor == anchor
+
+
+def test_the_cost_model_follows_the_structures() -> None:
+    dense = layer_cost(("dense", "dense"), (8, 4), 2, True)
+    assert dense.update == (2 * 8**3 / 2, 2 * 4**3 / 2)
+    assert dense.build == (8**3 / 2, 4**3 / 2)
+    assert dense.apply == (8**2 * 4, 4**2 * 8)
+    diagonal = layer_cost(("diagonal", "diagonal"), (8, 4), 1, True)
+    assert diagonal.update == (2 * 8, 2 * 4) and diagonal.apply == (8 * 4, 4 * 8)
+    blocks = layer_cost(("block2diagonal", "dense"), (8, 4), 1, True)
+    assert blocks.build[0] == 8 * 2**2  # d/B blocks of B³
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.5, True])
+def test_a_bad_world_size_raises(world: object) -> None:
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        assign(_mlp(1), world)

@@ -1,0 +1,235 @@
+"""`Shard` and FSDP2 on 2 and 3 gloo processes equal one process on the whole batch.
+
+Three spawns (module-scoped fixtures): `train_w2` runs every W = 2 scenario
+(DDP, manual all-reduce, accumulation with `no_sync`, FSDP2; SINGD dense and
+sparse, IKFAC, KFAC; factors replicated and owned; checkpoints; bytes),
+`train_w3` the W = 3 ones (more ranks than layers, idle ranks), `misuse` the
+misconfigurations (last: a rank that never steps, which breaks the group).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
+from tests.distributed.harness import TOLERANCE, reference, spawn
+from tests.distributed.jobs import CASES_W2, CASES_W3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("tests.distributed.jobs:train_w2", 2, tmp_path_factory.mktemp("w2"))
+
+
+@pytest.fixture(scope="module")
+def w3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn("tests.distributed.jobs:train_w3", 3, tmp_path_factory.mktemp("w3"))
+
+
+@pytest.fixture(scope="module")
+def misuse(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("misuse")
+    return spawn("tests.distributed.jobs:misuse", 2, out, timeout=4.0)
+
+
+def _assert_close(actual: list[Tensor], expected: list[Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected, strict=True):
+        assert a.dtype == b.dtype == torch.float64
+        error = ((a - b).abs().max() / b.abs().max()).item()
+        assert error < TOLERANCE, error
+
+
+def _assert_identical(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_identical(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_identical(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+# ------------------------------------------------------------------ equivalence
+@pytest.mark.parametrize("name", sorted(CASES_W2))
+def test_two_ranks_equal_one_process(w2: list[dict[str, Any]], name: str) -> None:
+    expected = reference(CASES_W2[name])
+    for result in w2:
+        _assert_close(result[f"params/{name}"], expected)
+
+
+@pytest.mark.parametrize("name", sorted(CASES_W3))
+def test_three_ranks_equal_one_process(w3: list[dict[str, Any]], name: str) -> None:
+    expected = reference(CASES_W3[name])
+    for result in w3:
+        _assert_close(result[f"params/{name}"], expected)
+
+
+def test_shard_equals_replicate_and_moves_the_parameters(w2: list[dict]) -> None:
+    for result in w2:
+        _assert_close(result["params/dense"], result["params/dense_replicate"])
+    initial = reference(CASES_W2["dense"], steps=0)
+    moved = max(
+        (p - q).abs().max().item()
+        for p, q in zip(w2[0]["params/dense"], initial, strict=True)
+    )
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in sorted(CASES_W2) if not n.startswith("fsdp")]
+)
+def test_every_rank_ends_with_the_same_complete_state(
+    w2: list[dict], name: str
+) -> None:
+    _assert_identical(w2[0][f"params/{name}"], w2[1][f"params/{name}"], name)
+    _assert_identical(w2[0][f"state/{name}"], w2[1][f"state/{name}"], name)
+    layers = [e for e in w2[0][f"state/{name}"]["state"].values() if "step" in e]
+    assert len(layers) == 3
+    for entry in layers:  # every layer's factors, also where only owners keep them
+        assert any(key.startswith(("K.", "A.")) for key in entry)
+        assert any(key.startswith(("C.", "G.")) for key in entry)
+
+
+@pytest.mark.parametrize("name", sorted(CASES_W3))
+def test_three_ranks_end_with_the_same_parameters(w3: list[dict], name: str) -> None:
+    for result in w3[1:]:
+        _assert_identical(result[f"params/{name}"], w3[0][f"params/{name}"], name)
+
+
+def test_the_plans_cover_split_layers_both_anchors_and_idle_ranks(
+    w2: list[dict], w3: list[dict]
+) -> None:
+    plans = {f"w2/{n}": w2[0][f"plan/{n}"] for n in CASES_W2}
+    plans |= {f"w3/{n}": w3[0][f"plan/{n}"] for n in CASES_W3}
+    anchors = {anchor for plan in plans.values() for _, anchor in plan}
+    assert anchors == {None, 0, 1}  # whole layers, and splits anchored on K and on C
+    for name in ("w3/two_kfac", "w3/two_owned"):  # 2 whole layers on 3 ranks
+        owners = {owners for owners, _ in plans[name]}
+        assert len(owners) == 2 and all(a == b for a, b in owners)
+    assert all(anchor is None for _, anchor in plans["w2/owned_dense"])
+
+
+@pytest.mark.parametrize("name", ["owned_dense", "owned_sparse", "owned_kfac"])
+def test_owned_factors_live_on_exactly_one_rank(w2: list[dict], name: str) -> None:
+    held = [result[f"held/{name}"] for result in w2]
+    assert [sum(column) for column in zip(*held, strict=True)] == [1] * len(held[0])
+    assert all(any(ranks) for ranks in held)  # both ranks own something
+
+
+@pytest.mark.parametrize("name", ["dense", "ikfac"])
+def test_momenta_live_on_the_rank_that_updates_their_side(
+    w2: list[dict], name: str
+) -> None:
+    """Every rank keeps every factor; each momentum lives on one rank only."""
+    assert all(all(result[f"held/{name}"]) for result in w2)
+    momenta = [result[f"momenta/{name}"] for result in w2]
+    plan = w2[0][f"plan/{name}"]
+    for index, (owners, _) in enumerate(plan):
+        for side in (0, 1):
+            holders = [rank for rank in range(2) if momenta[rank][index][side]]
+            assert holders == [owners[side]]
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("tag", ["shard", "owned", "fsdp"])
+def test_a_resumed_sharded_run_continues_bit_identically(
+    w2: list[dict], tag: str
+) -> None:
+    routes = ["dcp"] if tag == "fsdp" else ["file", "dcp"]
+    for result in w2:
+        expected = result[f"resume/{tag}/uninterrupted"]
+        for route in routes:
+            _assert_identical(result[f"resume/{tag}/{route}"], expected, route)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ("replicate", "shard"),
+        ("replicate", "owned"),
+        ("shard", "replicate"),
+        ("owned", "replicate"),
+    ],
+)
+def test_checkpoints_load_across_strategies(
+    w2: list[dict], saved: str, loaded: str
+) -> None:
+    for result in w2:
+        _assert_close(result[f"cross/{saved}->{loaded}"], result[f"cross/{saved}"])
+
+
+# ------------------------------------------------------------------------ bytes
+@pytest.mark.parametrize("name", ["shard", "owned", "factors"])
+def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
+    for result in w2:
+        for step in (0, 1):
+            recorded = result[f"bytes/{name}/{step}"]
+            reported = result[f"bytes/{name}/{step}/reported"]
+            gathered = [reported["gather"]] if reported["gather"] else []
+            assert recorded["all_gather"] == gathered
+            expected_reduce = [reported["statistics"]] if step == 0 else []
+            assert recorded["all_reduce"] == expected_reduce
+    update, plain = (w2[0][f"bytes/{name}/{step}/reported"] for step in (0, 1))
+    assert update["gather"] > 0 and update["statistics"] > 0
+    if name == "factors":  # between updates nothing travels
+        assert plain["gather"] == 0
+    else:  # the directions travel every step
+        assert update["gather"] >= plain["gather"] > 0
+
+
+def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> None:
+    records = w2[0]["bench"]
+    assert [r["strategy"] for r in records] == list(STRATEGIES)
+    replicate, shard, factors, owned = records
+    assert replicate["vs_replicate"] == 1.0 and replicate["factor_vs_replicate"] == 1.0
+    assert all(
+        r["ms_per_step"] > 0 and len(r["block_ms_per_step"]) == 1 for r in records
+    )
+    assert owned["factor_mib"] < shard["factor_mib"] < replicate["factor_mib"]
+    assert factors["factor_mib"] < replicate["factor_mib"]  # momenta on their owners
+    assert replicate["plain_bytes"]["gather"] == 0 < shard["plain_bytes"]["gather"]
+    table = markdown_table(records)
+    assert table.count("\n") == len(records) + 1 and "| cnn | 1 | shard |" in table
+
+
+# ----------------------------------------------------------------------- misuse
+@pytest.mark.parametrize("label", ["distribute", "factors"])
+def test_ranks_with_different_strategies_raise(misuse: list[dict], label: str) -> None:
+    for result in misuse:
+        assert re.search("disagree", result[f"misuse/{label}"])
+
+
+def test_ranks_resumed_at_different_steps_raise(misuse: list[dict]) -> None:
+    for result in misuse:
+        assert re.search("step count", result["misuse/resumed_apart"])
+
+
+def test_a_rank_that_never_steps_times_out_with_the_cause(misuse: list[dict]) -> None:
+    message = misuse[0]["misuse/never_steps"]
+    assert re.search("another rank did not take part", message), message
+    assert re.search(r"skipped optimizer\.step\(\)", message), message
+
+
+def test_owned_factors_are_asked_of_their_owner(misuse: list[dict]) -> None:
+    answers = [result["misuse/not_held"] for result in misuse]
+    for per_layer in zip(*answers, strict=True):
+        errors = [a for a in per_layer if a != "no error"]
+        assert len(errors) == 1 and re.search("live on rank", errors[0])
+
+
+def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:
+    for result in misuse:
+        assert re.search("cannot precondition FSDP2", result["misuse/fsdp_owned"])

@@ -32,7 +32,7 @@ from singd_curvlinops.distributed import Shard
 BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
 STEPS = 6
 TOLERANCE = 1e-10
-CLASSES = {"three": 60, "two": 2}  # 2 rows on 3 ranks: an empty FSDP2 shard
+CLASSES = {"three": 60, "two": 2, "norm": 60}  # 2 rows on 3 ranks: an empty FSDP2 shard
 SPARSE = {
     "lr": 0.1,
     "lr_cov": 0.1,
@@ -60,8 +60,9 @@ class Case:
         distribute: `"replicate"`, `"shard"`, `"owned"` (`Shard(factors="owned")`)
             or `"factors"` (`Shard(share="factors")`).
         kfac: The `KFAC` optimizer instead of `SINGD`.
-        model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60) or `"two"`
-            (Conv2d 2→3, Linear 48→2).
+        model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
+            (Conv2d 2→3, Linear 48→2) or `"norm"` (`"three"` with a LayerNorm
+            before the first Linear: fallback parameters).
     """
 
     options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
@@ -75,6 +76,13 @@ def build_model(name: str) -> nn.Sequential:
     torch.manual_seed(0)
     if name == "two":
         tail = [nn.Linear(48, CLASSES["two"])]
+    elif name == "norm":  # the LayerNorm's parameters go to the AdamW fallback
+        tail = [
+            nn.LayerNorm(48),
+            nn.Linear(48, 24),
+            nn.ReLU(),
+            nn.Linear(24, CLASSES["norm"]),
+        ]
     else:
         tail = [nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, CLASSES["three"])]
     conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)

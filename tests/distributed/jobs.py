@@ -63,6 +63,12 @@ CASES_W2 = {
     "fsdp_ikfac": Case(IKFAC, "fsdp"),
     "fsdp_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
     "fsdp_accumulate": Case(SPARSE, "fsdp_accumulate"),
+    # the AdamW fallback of whole-model training (issue 13) next to the layers
+    "fallback_replicate": Case(DENSE, distribute="replicate", model="norm"),
+    "fallback_shard": Case(DENSE, model="norm"),
+    "fallback_owned": Case(SPARSE, distribute="owned", model="norm"),
+    "fallback_kfac": Case(KFAC_OPTIONS, kfac=True, model="norm"),
+    "fallback_accumulate": Case(SPARSE, "accumulate", model="norm"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -73,6 +79,7 @@ CASES_W3 = {
     "factors_ikfac": Case(IKFAC, distribute="factors"),
     "fsdp_shard": Case(SPARSE, "fsdp"),
     "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
+    "fallback_ikfac": Case(IKFAC, model="norm"),
 }
 RESUME_AT = 3
 

@@ -19,7 +19,7 @@ BATCH, SEQUENCE, VOCABULARY, CLASSES = 4, 8, 64, 5
 Problem = tuple[nn.Module, Callable[[nn.Module], Tensor]]
 
 
-def _images(channels: int = 3, size: int = 32, batch: int = 2) -> tuple[Tensor, Tensor]:
+def _images(channels: int = 3, size: int = 32, batch: int = 8) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(0)
     X = torch.randn(batch, channels, size, size, generator=generator)
     return X, torch.randint(0, CLASSES, (batch,), generator=generator)

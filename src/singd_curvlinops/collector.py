@@ -7,7 +7,10 @@ gradient into the rows \(a\), \(\tilde g\) (the layer's adapter, curvlinops'
 conventions) and the optimizer's rule into one micro-batch's statistics
 \((H_K, H_C)\). Micro-batches accumulate into a `PendingStatistics` record:
 \(H_K\) as the example-weighted mean, \(H_C\) as the sum, scaled at hand-out by
-\(\nu(N)\) (`statistics.gradient_scale`) and the gradient-scale correction.
+\(\nu(N)\) (`statistics.gradient_scale`) and the gradient-scale correction. For a
+rule that needs per-example gradients (`FactorRule.per_example`, EKFAC), the
+micro-batches' `"expand"` rows are also kept, in an `ExampleGradients` record that
+the rule's update turns into sums of squares (scaled like \(H_C\)).
 
 What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
@@ -32,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.layers import Layer
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.structures import StructuredMatrix
 from singd_curvlinops.update import all_finite
@@ -46,12 +50,14 @@ class PendingStatistics:
         H_C: Sum of the micro-batches' \(H_C\) (before the scale \(\nu\)).
         num_examples: Examples \(N\) so far.
         grad_scale: The gradient scale that the rows \(\tilde g\) were divided by.
+        examples: The rows for per-example gradients (rules with `per_example`).
     """
 
     H_K: StructuredMatrix
     H_C: StructuredMatrix
     num_examples: int
     grad_scale: float
+    examples: ExampleGradients | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class CollectionPlan:
         dtypes: Dtypes of the input and output rows (the factors').
         grad_scale: Scale of the output gradients expected in this pass.
         project: The rule's map from rows `(a, g)` to `(H_K, H_C)`.
+        per_example: Whether to keep the rows for per-example gradients.
     """
 
     kfac_approx: str
@@ -71,6 +78,7 @@ class CollectionPlan:
     dtypes: tuple[torch.dtype, torch.dtype]
     grad_scale: float
     project: Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
+    per_example: bool = False
 
 
 class StatisticsCollector:
@@ -159,16 +167,19 @@ class StatisticsCollector:
             batch = x.shape[0]
             pending = self.pending.get(layer)
             if pending is None:
-                self.pending[layer] = PendingStatistics(
-                    H_K, H_C, batch, plan.grad_scale
+                examples = ExampleGradients() if plan.per_example else None
+                pending = PendingStatistics(H_K, H_C, batch, plan.grad_scale, examples)
+                self.pending[layer] = pending
+            else:
+                total = pending.num_examples + batch
+                pending.H_K.mul_(pending.num_examples / total).add_(
+                    H_K, alpha=batch / total
                 )
-                return
-            total = pending.num_examples + batch
-            pending.H_K.mul_(pending.num_examples / total).add_(
-                H_K, alpha=batch / total
-            )
-            pending.H_C.add_(H_C)
-            pending.num_examples = total
+                pending.H_C.add_(H_C)
+                pending.num_examples = total
+            if pending.examples is not None:
+                rows = _expanded_rows(layer, x, grad_output, plan, a, g)
+                pending.examples.add(*rows, batch)
 
     # ------------------------------------------------------------ hand-out
     def hand_over(
@@ -245,7 +256,11 @@ class StatisticsCollector:
         unscale = (pending.grad_scale / grad_scale) ** 2
         nu = statistics.gradient_scale(loss_average, pending.num_examples)
         pending.H_C.mul_(nu * unscale)
-        return FactorStatistics(collected=(pending.H_K, pending.H_C))
+        if pending.examples is not None:
+            pending.examples.scale = nu * unscale
+        return FactorStatistics(
+            collected=(pending.H_K, pending.H_C), examples=pending.examples
+        )
 
     def discard(self, layer: Layer) -> None:
         """Drop a layer's pending statistics (its factors are not due).
@@ -310,6 +325,41 @@ class StatisticsCollector:
             _remove_hook(layers[layer].module, handle.id)
             twin.attach(layers[layer])
         return twin
+
+
+def _expanded_rows(
+    layer: Layer,
+    x: Tensor,
+    grad_output: Tensor,
+    plan: CollectionPlan,
+    a: Tensor,
+    g: Tensor,
+) -> tuple[Tensor, Tensor]:
+    r"""Return a micro-batch's `"expand"` rows, from which per-example gradients follow.
+
+    With `kfac_approx="expand"` these are the rows of the factors; with `"reduce"`
+    they are formed anew, since per-example gradients sum over the positions
+    \(\sum_s g_{n,s} \hat x_{n,s}^\top\), which the reduced rows do not carry.
+
+    Args:
+        layer: The layer.
+        x: Its input (batch first).
+        grad_output: The gradient w.r.t. its output.
+        plan: What is collected.
+        a: The factor's input rows of this micro-batch.
+        g: The factor's output-gradient rows (already divided by the scale).
+
+    Returns:
+        Input and output-gradient rows, example-major.
+    """
+    if plan.kfac_approx == "expand":
+        return a, g
+    adapter, module = layer.adapter, layer.module
+    dtype_K, dtype_C = plan.dtypes
+    a = adapter.input_rows(module, x.to(dtype_K), "expand")
+    g = adapter.gradient_rows(module, grad_output, "expand", plan.loss_average)
+    g = g.to(dtype_C)
+    return a, (g / plan.grad_scale if plan.grad_scale != 1.0 else g)
 
 
 class _LayerHook:

@@ -19,8 +19,17 @@ convention) to train on the sum over the concatenated batch.
 
 Only the structures' stored tensors travel, packed with the example counts into a
 single buffer per step (a diagonal factor sends \(d\) numbers, not \(d^2\)). Before
-the first exchange, the processes compare a checksum of their layers, structures and
-options, so that a mismatch raises an error instead of hanging.
+the first exchange, the processes compare a checksum of their layers, structures,
+options and factor rule, so that a mismatch raises an error instead of hanging.
+
+A rule with per-example gradients (EKFAC) needs a second collective per layer and
+factor update: its sums of squared per-example gradients \(\Sigma_r\) are taken in
+the eigenbasis of the factors, which exists only after the first exchange. Every
+process computes \(\Sigma_r\) from its own rows in that (common) basis, and
+`sum_over_processes` all-reduces them, dividing by \(P^2\) as for \(U_C\):
+\(\Sigma = \frac{1}{P^2} \sum_r \Sigma_r\), then scaled by \(\nu(N)\). The
+processes call it in the same order, since each runs the factor updates of the same
+due layers in the order of `layers`.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.layers import Layer
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
 
@@ -77,7 +87,8 @@ def check_same_configuration(description: str, device: torch.device) -> None:
     dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
     if extremes[0].item() != checksum or -extremes[1].item() != checksum:
         raise RuntimeError(
-            "SINGD's processes disagree on the layers, structures or options whose "
+            "The optimizer's processes disagree on the factor rule, layers, "
+            "structures or options whose "
             f"statistics they exchange (rank {dist.get_rank()} has: {description}). "
             "Build the same model and optimizer on every rank."
         )
@@ -124,6 +135,21 @@ def all_reduce_statistics(
             H_K.mul_(1.0 / total)
             H_C.mul_(1.0 / processes**2)
     return totals
+
+
+def sum_over_processes(tensor: Tensor) -> Tensor:
+    r"""All-reduce a per-process sum of squared output gradients, divided by \(P^2\).
+
+    The second collective of rules with per-example gradients (module docs).
+
+    Args:
+        tensor: This process's \(\Sigma_r\) (overwritten).
+
+    Returns:
+        `tensor`, now \(\frac{1}{P^2} \sum_r \Sigma_r\).
+    """
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(world_size() ** 2)
 
 
 def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
@@ -176,7 +202,7 @@ class StatisticsExchange:
             state: Its state (for the gradient scale of a layer without data).
             rule: Its factor rule (for zero statistics).
         """
-        description = ";".join(
+        description = f"{type(rule).__name__};" + ";".join(
             f"{layer.name}:{layer.dims}:{rule.structures(groups[layer.group_index])}:"
             + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
             for layer in layers
@@ -195,7 +221,8 @@ class StatisticsExchange:
                     group, layer.dims, layer.factor_dtypes(group), layer.weight.device
                 )
                 scale = state[layer.weight]["grad_scale"]
-                record = PendingStatistics(H_K, H_C, 0, scale)
+                examples = ExampleGradients() if rule.per_example else None
+                record = PendingStatistics(H_K, H_C, 0, scale, examples)
             records.append(record)
         totals = all_reduce_statistics(
             [(record.H_K, record.H_C, record.num_examples) for record in records]
@@ -206,17 +233,20 @@ class StatisticsExchange:
             else:
                 record.num_examples = total
                 pending[layer] = record
+                if record.examples is not None:
+                    record.examples.reduce = sum_over_processes
 
 
 def bytes_per_update(optimizer: Any) -> int:
-    """Return the bytes each process sends per factor update (statistics only).
+    r"""Return the bytes each process sends per factor update (statistics only).
 
     Args:
-        optimizer: A `SINGD` or `KFAC` optimizer.
+        optimizer: A `SINGD`, `KFAC` or `EKFAC` optimizer.
 
     Returns:
         Size of the all-reduced buffer: every layer's stored entries of `H_K` and
-        `H_C` plus one example count, in the factors' dtype.
+        `H_C` plus one example count, in the factors' dtype; for EKFAC also the
+        second collective's \(d_C \times d_K\) sums, in at least float32.
     """
     total = 0
     for layer in optimizer.layers:
@@ -224,4 +254,7 @@ def bytes_per_update(optimizer: Any) -> int:
         K, C = preconditioner.K, preconditioner.C
         dtype = torch.promote_types(K.dtype, C.dtype)
         total += (K.numel() + C.numel() + 1) * dtype.itemsize
+        if optimizer._rule.per_example:
+            sums = torch.promote_types(dtype, torch.float32)
+            total += layer.dims[0] * layer.dims[1] * sums.itemsize
     return total

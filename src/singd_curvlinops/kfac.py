@@ -60,6 +60,8 @@ class KFAC(KroneckerOptimizer):
         init_grad_scale: Expected gradient scale of the first step (AMP).
     """
 
+    _rule_type: type[KFACRule] = KFACRule
+
     def __init__(
         self,
         model: Module,
@@ -96,7 +98,7 @@ class KFAC(KroneckerOptimizer):
             model,
             params,
             defaults,
-            rule=KFACRule(),
+            rule=self._rule_type(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
         )

@@ -196,14 +196,13 @@ class KroneckerOptimizer(Optimizer):
         if not self._due(layer):
             return None
         group = self.param_groups[layer.group_index]
-        state = self.state[layer.weight]
-        preconditioner = self.preconditioner(layer)
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],
             dtypes=layer.factor_dtypes(group),
-            grad_scale=state["grad_scale"],
-            project=partial(self._rule.project, preconditioner),
+            grad_scale=self.state[layer.weight]["grad_scale"],
+            project=partial(self._rule.project, self.preconditioner(layer)),
+            per_example=self._rule.per_example,
         )
 
     # --------------------------------------------------------------- curvature

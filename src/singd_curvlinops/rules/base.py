@@ -4,8 +4,11 @@ A *factor rule* owns the Kronecker factors of one layer as plain tensors in the
 layer's state: it creates them (`init_state`), turns a micro-batch's rows
 \(a\), \(\tilde g\) into the statistics it accumulates (`project`), updates the
 factors from the accumulated statistics (`update`) and states the preconditioner
-they define (`preconditioner`). Rules see tensors, structures and the options of
-a parameter group; never modules, hooks or the optimizer.
+they define (`preconditioner`). A rule that also needs each example's gradient
+(EKFAC) says so with `per_example`: the collector then keeps the pass's rows in a
+`per_example.ExampleGradients` record, which `update` receives. Rules see tensors,
+structures and the options of a parameter group; never modules, hooks or the
+optimizer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.structures import StructuredMatrix, get_structure
 from singd_curvlinops.update import precondition
 
@@ -70,10 +74,13 @@ class FactorStatistics:
             training pass, accumulated over micro-batches (and processes) and
             scaled to the conventions of \(U_K\), \(U_C\); or None.
         handed_over: Dense \((U_K, U_C)\) from `set_curvature`, or None.
+        examples: With `collected`, for a rule with `per_example`: the pass's
+            per-example gradients, scaled to the convention of \(U_C\).
     """
 
     collected: tuple[StructuredMatrix, StructuredMatrix] | None = None
     handed_over: tuple[Tensor, Tensor] | None = None
+    examples: ExampleGradients | None = None
 
 
 class FactorRule(ABC):
@@ -82,9 +89,12 @@ class FactorRule(ABC):
     Attributes:
         factor_sides: `(state prefix, side)` of every factor the rule keeps, side
             0 for the input (dimension `d_K`) and 1 for the output (`d_C`).
+        per_example: Whether `update` needs the per-example gradients of the pass
+            (`FactorStatistics.examples`); `project` must then leave `a` intact.
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
+    per_example: bool = False
 
     @abstractmethod
     def check_group(self, group: dict[str, Any]) -> None:
@@ -133,7 +143,8 @@ class FactorRule(ABC):
 
         Args:
             preconditioner: The layer's current preconditioner.
-            a: Input rows `[rows, d_K]` (a buffer the rule may overwrite).
+            a: Input rows `[rows, d_K]` (a buffer the rule may overwrite, unless
+                it sets `per_example`).
             g: Output-gradient rows `[rows, d_C]` (leave intact).
 
         Returns:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from singd_curvlinops import EKFAC, KFAC, SINGDLinearOperator
+from singd_curvlinops.bench.memory import cache_bytes
 from singd_curvlinops.rules.ekfac import _eigenbasis
 
 DAMPING, LR = 0.1, 0.5
@@ -291,3 +292,14 @@ def test_eigenbasis_retries_in_float64_where_float32_fails(monkeypatch, failure)
     basis = _eigenbasis(factor)
     assert basis.dtype == torch.float32
     assert torch.equal(basis, eigh(factor.double()).eigenvectors.float())
+
+
+def test_memory_bench_counts_the_cached_inverse_eigenvalues() -> None:
+    """The bases are state; the cache is D = 1 / (E + λ), d_C × d_K per layer."""
+    model = model_of("conv")
+    optimizer = EKFAC(model, T=1)
+    identities = (19**2 + 3**2 + 49**2 + 3**2) * 8  # before the first update
+    assert cache_bytes(optimizer) == identities
+    backward(model, *batch("conv"))
+    optimizer.step()
+    assert cache_bytes(optimizer) == (3 * 19 + 3 * 49) * 8

@@ -155,14 +155,7 @@ class StatisticsCollector:
             grad_output: The gradient w.r.t. its output.
         """
         with torch.no_grad():
-            adapter, module = layer.adapter, layer.module
-            dtype_K, dtype_C = plan.dtypes
-            a = adapter.input_rows(module, x.to(dtype_K), plan.kfac_approx)
-            g = adapter.gradient_rows(
-                module, grad_output, plan.kfac_approx, plan.loss_average
-            ).to(dtype_C)
-            if plan.grad_scale != 1.0:
-                g = g / plan.grad_scale
+            a, g = _rows(layer, x, grad_output, plan, plan.kfac_approx)
             H_K, H_C = plan.project(a, g)
             batch = x.shape[0]
             pending = self.pending.get(layer)
@@ -178,8 +171,11 @@ class StatisticsCollector:
                 pending.H_C.add_(H_C)
                 pending.num_examples = total
             if pending.examples is not None:
-                rows = _expanded_rows(layer, x, grad_output, plan, a, g)
-                pending.examples.add(*rows, batch)
+                # per-example gradients sum over the positions, which "reduce" rows
+                # do not carry: they are kept as "expand" rows
+                if plan.kfac_approx != "expand":
+                    a, g = _rows(layer, x, grad_output, plan, "expand")
+                pending.examples.add(a, g, batch)
 
     # ------------------------------------------------------------ hand-out
     def hand_over(
@@ -327,37 +323,26 @@ class StatisticsCollector:
         return twin
 
 
-def _expanded_rows(
-    layer: Layer,
-    x: Tensor,
-    grad_output: Tensor,
-    plan: CollectionPlan,
-    a: Tensor,
-    g: Tensor,
+def _rows(
+    layer: Layer, x: Tensor, grad_output: Tensor, plan: CollectionPlan, approx: str
 ) -> tuple[Tensor, Tensor]:
-    r"""Return a micro-batch's `"expand"` rows, from which per-example gradients follow.
-
-    With `kfac_approx="expand"` these are the rows of the factors; with `"reduce"`
-    they are formed anew, since per-example gradients sum over the positions
-    \(\sum_s g_{n,s} \hat x_{n,s}^\top\), which the reduced rows do not carry.
+    r"""Return a micro-batch's rows \(a\), \(\tilde g\) in the factors' dtypes.
 
     Args:
         layer: The layer.
         x: Its input (batch first).
         grad_output: The gradient w.r.t. its output.
-        plan: What is collected.
-        a: The factor's input rows of this micro-batch.
-        g: The factor's output-gradient rows (already divided by the scale).
+        plan: What is collected (dtypes, loss average, expected gradient scale).
+        approx: `"expand"` or `"reduce"`.
 
     Returns:
-        Input and output-gradient rows, example-major.
+        The input rows (a fresh buffer) and the output-gradient rows, divided by
+        the expected gradient scale (possibly a view of `grad_output`).
     """
-    if plan.kfac_approx == "expand":
-        return a, g
     adapter, module = layer.adapter, layer.module
     dtype_K, dtype_C = plan.dtypes
-    a = adapter.input_rows(module, x.to(dtype_K), "expand")
-    g = adapter.gradient_rows(module, grad_output, "expand", plan.loss_average)
+    a = adapter.input_rows(module, x.to(dtype_K), approx)
+    g = adapter.gradient_rows(module, grad_output, approx, plan.loss_average)
     g = g.to(dtype_C)
     return a, (g / plan.grad_scale if plan.grad_scale != 1.0 else g)
 

@@ -212,18 +212,10 @@ class StatisticsExchange:
             self._verified = description
         if not due:
             return
-        records = []
-        for layer in due:
-            record = pending.get(layer)
-            if record is None:
-                group = groups[layer.group_index]
-                H_K, H_C = rule.zero_statistics(
-                    group, layer.dims, layer.factor_dtypes(group), layer.weight.device
-                )
-                scale = state[layer.weight]["grad_scale"]
-                examples = ExampleGradients() if rule.per_example else None
-                record = PendingStatistics(H_K, H_C, 0, scale, examples)
-            records.append(record)
+        records = [
+            pending.get(layer) or _no_statistics(layer, groups, state, rule)
+            for layer in due
+        ]
         totals = all_reduce_statistics(
             [(record.H_K, record.H_C, record.num_examples) for record in records]
         )
@@ -235,6 +227,31 @@ class StatisticsExchange:
                 pending[layer] = record
                 if record.examples is not None:
                     record.examples.reduce = sum_over_processes
+
+
+def _no_statistics(
+    layer: Layer,
+    groups: Sequence[dict[str, Any]],
+    state: dict[Parameter, dict[str, Any]],
+    rule: FactorRule,
+) -> PendingStatistics:
+    """Return the zero record of a layer whose hooks did not fire on this process.
+
+    Args:
+        layer: The layer.
+        groups: The optimizer's parameter groups.
+        state: Its state (for the layer's gradient scale).
+        rule: Its factor rule.
+
+    Returns:
+        Zero statistics of no examples (and no rows, for per-example rules).
+    """
+    group = groups[layer.group_index]
+    H_K, H_C = rule.zero_statistics(
+        group, layer.dims, layer.factor_dtypes(group), layer.weight.device
+    )
+    examples = ExampleGradients() if rule.per_example else None
+    return PendingStatistics(H_K, H_C, 0, state[layer.weight]["grad_scale"], examples)
 
 
 def bytes_per_update(optimizer: Any) -> int:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from singd_curvlinops import SINGD
+from singd_curvlinops import EKFAC, SINGD
 from singd_curvlinops.distributed import bytes_per_update
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,15 @@ SPARSE = {
     "weight_decay": 1e-3,
     "structures": ("block3diagonal", "triltoeplitz"),
 }
+EKFAC_OPTIONS = {
+    "optimizer": "ekfac",
+    "lr": 0.1,
+    "T": 2,
+    "momentum": 0.5,
+    "damping": 1e-2,
+    "weight_decay": 1e-3,
+}
+OPTIMIZERS = {"singd": SINGD, "ekfac": EKFAC}
 # name: (optimizer options, how the processes average their gradients)
 CASES: dict[str, tuple[dict[str, Any], str]] = {
     "ddp": (SPARSE, "ddp"),
@@ -72,6 +81,9 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "sum_loss": ({**SPARSE, "lr": 0.02, "loss_average": None}, "ddp"),
     "accumulate": (SPARSE, "accumulate"),
+    # EKFAC: a second collective (the projected per-example gradients)
+    "ekfac": (EKFAC_OPTIONS, "ddp"),
+    "ekfac_accumulate": (EKFAC_OPTIONS, "accumulate"),
 }
 
 
@@ -92,6 +104,12 @@ def _batch(step: int) -> tuple[Tensor, Tensor]:
     return X, torch.randint(0, 3, (BATCH,), generator=generator)
 
 
+def _optimizer(net: nn.Module, opts: dict[str, Any]) -> SINGD | EKFAC:
+    """Build `opts["optimizer"]` (default SINGD) with the other options."""
+    opts = dict(opts)
+    return OPTIMIZERS[opts.pop("optimizer", "singd")](net, **opts)
+
+
 def _loss(output: Tensor, y: Tensor, opts: dict[str, Any]) -> Tensor:
     sum_loss = "loss_average" in opts and opts["loss_average"] is None
     return F.cross_entropy(output, y, reduction="sum" if sum_loss else "mean")
@@ -99,7 +117,7 @@ def _loss(output: Tensor, y: Tensor, opts: dict[str, Any]) -> Tensor:
 
 def _single_process(opts: dict[str, Any], steps: int = STEPS) -> list[Tensor]:
     model = _model()
-    optimizer = SINGD(model, **opts)
+    optimizer = _optimizer(model, opts)
     for step in range(steps):
         X, y = _batch(step)
         optimizer.zero_grad()
@@ -182,7 +200,7 @@ def _setup(
     if model_state is not None:
         model.load_state_dict(model_state)
     net = model if mode == "manual" else DistributedDataParallel(model)
-    return model, net, SINGD(net, **opts)
+    return model, net, _optimizer(net, opts)
 
 
 def _train_step(
@@ -262,9 +280,15 @@ def _resume(checkpoint: tuple[Path, dict, dict], results: dict[str, Any]) -> Non
     results["state/dcp"] = optimizer.state_dict()
 
 
-def _measure_bytes(results: dict[str, Any]) -> None:
-    """Record the floating-point all-reduces of two steps with diagonal factors."""
-    opts = {"structures": ("diagonal", "diagonal"), "T": 1}
+BYTES_OPTIONS = {  # the all-reduces of two steps are recorded
+    "diagonal": {"structures": ("diagonal", "diagonal"), "T": 1},
+    "ekfac": {"optimizer": "ekfac", "T": 1},
+}
+
+
+def _measure_bytes(results: dict[str, Any], name: str) -> None:
+    """Record the sizes of the floating-point all-reduces of two steps."""
+    opts = BYTES_OPTIONS[name]
     model, net, optimizer = _setup(opts, "ddp")
     recorded = []
     original = dist.all_reduce
@@ -280,8 +304,8 @@ def _measure_bytes(results: dict[str, Any]) -> None:
             _train_step(net, optimizer, step, "ddp", opts)
     finally:
         dist.all_reduce = original
-    results["bytes/recorded"] = recorded
-    results["bytes/reported"] = bytes_per_update(optimizer)
+    results[f"bytes/{name}/recorded"] = recorded
+    results[f"bytes/{name}/reported"] = bytes_per_update(optimizer)
 
 
 def _misuse(results: dict[str, Any]) -> None:
@@ -319,7 +343,8 @@ def _misuse_and_no_group(results: dict[str, Any]) -> None:
 
 def _train(results: dict[str, Any], out_dir: Path) -> None:
     _run_cases(out_dir, results)
-    _measure_bytes(results)
+    for name in BYTES_OPTIONS:
+        _measure_bytes(results, name)
     _run_whole_model(results)
     dist.destroy_process_group()
 
@@ -408,7 +433,7 @@ def _assert_identical(a: Any, b: Any, where: str = "") -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["ddp", "manual", "hierarchical_manual", "ikfac", "sum_loss"]
+    "name", ["ddp", "manual", "hierarchical_manual", "ikfac", "sum_loss", "ekfac"]
 )
 def test_processes_equal_one_process_on_concatenated_batch(
     ranks: list[dict[str, Any]], name: str
@@ -438,10 +463,13 @@ def test_whole_model_equals_one_process(ranks: list[dict[str, Any]]) -> None:
         _assert_close(result["params/whole"], expected)
 
 
-def test_gradient_accumulation_with_no_sync(ranks: list[dict[str, Any]]) -> None:
-    expected = _single_process(CASES["accumulate"][0])
+@pytest.mark.parametrize("name", ["accumulate", "ekfac_accumulate"])
+def test_gradient_accumulation_with_no_sync(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    expected = _single_process(CASES[name][0])
     for result in ranks:
-        _assert_close(result["params/accumulate"], expected)
+        _assert_close(result[f"params/{name}"], expected)
 
 
 @pytest.mark.parametrize("name", [*CASES, "resumed", "dcp"])
@@ -449,7 +477,8 @@ def test_every_rank_ends_with_the_same_optimizer_state(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
     states = [result[f"state/{name}"] for result in ranks]
-    assert any(key.startswith("K.") for key in states[0]["state"][0])
+    factor = "eigenvalues" if name.startswith("ekfac") else "K."
+    assert any(key.startswith(factor) for key in states[0]["state"][0])
     _assert_identical(states[0], states[1], name)
     _assert_identical(ranks[0][f"params/{name}"], ranks[1][f"params/{name}"])
 
@@ -492,9 +521,21 @@ def test_all_reduced_bytes_match_bytes_per_update(
     ranks: list[dict[str, Any]],
 ) -> None:
     for result in ranks:
-        reported = result["bytes/reported"]
-        assert result["bytes/recorded"] == [reported, reported]  # one per step
+        reported = result["bytes/diagonal/reported"]
+        assert result["bytes/diagonal/recorded"] == [reported, reported]  # per step
         assert reported == _diagonal_bytes()
+
+
+def test_ekfac_all_reduces_its_eigenvalue_sums_per_layer(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """One buffer of the dense statistics, then each layer's d_C × d_K sums."""
+    d_K, d_C = (2 * 3 * 3 + 1, 48 + 1), (3, 3)
+    statistics = sum((k * k + c * c + 1) * 8 for k, c in zip(d_K, d_C, strict=True))
+    sums = [k * c * 8 for k, c in zip(d_K, d_C, strict=True)]
+    for result in ranks:
+        assert result["bytes/ekfac/recorded"] == [statistics, *sums] * 2
+        assert result["bytes/ekfac/reported"] == statistics + sum(sums)
 
 
 def _diagonal_bytes() -> int:

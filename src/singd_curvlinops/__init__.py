@@ -1,11 +1,13 @@
 """SINGD, the structured inverse-free natural gradient optimizer, on curvlinops.
 
 Public API: the optimizers `SINGD` (and IKFAC through `kfac_like=True`) and the
-`KFAC` baseline, `SINGDLinearOperator` (the preconditioner as a curvlinops linear
-operator), the structured matrices of `singd_curvlinops.structures`, and the layer
-adapters of `singd_curvlinops.layers` (`LayerAdapter`, `register_layer`).
+`KFAC` and `EKFAC` baselines, `SINGDLinearOperator` (the preconditioner as a
+curvlinops linear operator), the structured matrices of
+`singd_curvlinops.structures`, and the layer adapters of `singd_curvlinops.layers`
+(`LayerAdapter`, `register_layer`).
 """
 
+from singd_curvlinops.ekfac import EKFAC
 from singd_curvlinops.kfac import KFAC
 from singd_curvlinops.layers import LayerAdapter, register_layer
 from singd_curvlinops.linear_operator import SINGDLinearOperator
@@ -17,6 +19,7 @@ from singd_curvlinops.structures import (
 )
 
 __all__ = [
+    "EKFAC",
     "KFAC",
     "SINGD",
     "LayerAdapter",

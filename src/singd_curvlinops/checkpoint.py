@@ -137,10 +137,11 @@ def validated_factors(
             for k, v in initial.items()
             if isinstance(v, Tensor) and not k.startswith("graft_")
         }
-        found = {
+        found = {  # the rule's entries: its factors and whatever else it keeps
             k: tuple(v.shape)
             for k, v in saved.items()
-            if isinstance(v, Tensor) and k.split(".")[0] in _factor_prefixes(rule)
+            if isinstance(v, Tensor)
+            and (k in expected or k.split(".")[0] in _factor_prefixes(rule))
         }
         if found != expected:
             raise ValueError(

@@ -11,7 +11,10 @@ to the optimizer's rule, which forms one use's statistics \((H_K, H_C)\). Uses
 accumulate in a `PendingStatistics` record (`singd_curvlinops.pending`: uses of one
 backward pass concatenate, passes average), scaled at hand-out by \(\nu(N)\)
 (`statistics.gradient_scale`) and the gradient-scale correction; a layer with
-transposed uses combines both orientations (`pending.kronecker_sum`).
+transposed uses combines both orientations (`pending.kronecker_sum`). For a rule
+that needs per-example gradients (`FactorRule.per_example`, EKFAC), the uses'
+`"expand"` rows are also kept, in an `ExampleGradients` record that the rule's
+update turns into sums of squares (scaled like \(H_C\)).
 
 What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
@@ -39,6 +42,7 @@ from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_h
 from singd_curvlinops.layers import Layer, Site, Use
 from singd_curvlinops.layers.rows import layer_gradient_rows, layer_input_rows
 from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.structures import StructuredMatrix
 from singd_curvlinops.update import all_finite
@@ -58,6 +62,7 @@ class CollectionPlan:
         project: The rule's map from rows `(a, g)` to `(H_K, H_C)`.
         project_transposed: The same for the layer seen transposed (its twin):
             the factors' sides swapped; None if the layer has no twin.
+        per_example: Whether to keep the rows for per-example gradients.
     """
 
     kfac_approx: str
@@ -66,6 +71,7 @@ class CollectionPlan:
     grad_scale: float
     project: Project
     project_transposed: Project | None = None
+    per_example: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,13 +232,8 @@ class StatisticsCollector:
                 grad_output = grad_output.unsqueeze(0)
             elif use.batch_dim:
                 grad_output = grad_output.movedim(use.batch_dim, 0)
-            g = site.adapter.use_gradient_rows(
-                site.module, use, grad_output, plan.kfac_approx, plan.loss_average
-            )
-            g = layer_gradient_rows(g.to(dtype_g), use, entry.layer, site)
-            if plan.grad_scale != 1.0:
-                g = g / plan.grad_scale
-            a = layer_input_rows(site, use, g.shape[0], plan.kfac_approx, dtype_a)
+            rows = partial(_use_rows, entry, use, grad_output, plan, (dtype_a, dtype_g))
+            a, g = rows(plan.kfac_approx)
             project = plan.project_transposed if site.transposed else plan.project
             H_K, H_C = project(a, g)
             counts = {
@@ -242,11 +243,20 @@ class StatisticsCollector:
             }
             pending = self._pending.get(entry.key)
             if pending is None:
-                self._pending[entry.key] = PendingStatistics.open(
+                pending = PendingStatistics.open(
                     H_K, H_C, grad_scale=plan.grad_scale, **counts
                 )
+                if plan.per_example:
+                    pending.examples = ExampleGradients()
+                self._pending[entry.key] = pending
             else:
                 pending.add(H_K, H_C, **counts)
+            if pending.examples is not None:
+                # per-example gradients sum over the positions, which "reduce" rows
+                # do not carry: they are kept as "expand" rows
+                if plan.kfac_approx != "expand":
+                    a, g = rows("expand")
+                pending.examples.add(a, g, counts["examples"], counts["pass_id"])
 
     # ------------------------------------------------------------ hand-out
     def hand_over(
@@ -307,7 +317,7 @@ class StatisticsCollector:
             The statistics, \(H_C\) scaled to the convention of \(U_C\); or None.
         """
         handed_over = self._handed_over.pop(layer, None)
-        terms = []
+        terms, examples = [], None
         for key in (layer, layer.twin):
             record = self.pending.pop(key, None) if key is not None else None
             if record is not None:
@@ -316,6 +326,9 @@ class StatisticsCollector:
                 record.H_C.mul_(nu * unscale)
                 H_K, H_C = record.H_K, record.H_C
                 terms.append((H_C, H_K) if key.swapped else (H_K, H_C))
+                if record.examples is not None:  # (never for a twin: see the plan)
+                    examples = record.examples
+                    examples.scale = nu * unscale
         if handed_over is not None:
             return FactorStatistics(handed_over=handed_over)
         if not terms:
@@ -328,7 +341,7 @@ class StatisticsCollector:
                     "statistics arrive."
                 )
             return None
-        return FactorStatistics(collected=kronecker_sum(terms))
+        return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
 
     def discard(self, layer: Layer) -> None:
         """Drop a layer's pending statistics (its factors are not due).
@@ -401,3 +414,36 @@ class StatisticsCollector:
         for layer in self._layers:
             twin.attach(layers[layer])
         return twin
+
+
+def _use_rows(
+    entry: _Entry,
+    use: Use,
+    grad_output: Tensor,
+    plan: CollectionPlan,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    kfac_approx: str,
+) -> tuple[Tensor, Tensor]:
+    r"""Return one use's rows \(a\), \(\tilde g\) in the layer's layout and dtypes.
+
+    Args:
+        entry: The layer and site.
+        use: The use.
+        grad_output: The gradient w.r.t. the use's output, batch first.
+        plan: What is collected (loss average, expected gradient scale).
+        dtypes: Dtypes of the input and output rows.
+        kfac_approx: `"expand"` or `"reduce"`.
+
+    Returns:
+        The input rows (a fresh buffer) and the output-gradient rows, divided by
+        the expected gradient scale.
+    """
+    site = entry.site
+    g = site.adapter.use_gradient_rows(
+        site.module, use, grad_output, kfac_approx, plan.loss_average
+    )
+    g = layer_gradient_rows(g.to(dtypes[1]), use, entry.layer, site)
+    if plan.grad_scale != 1.0:
+        g = g / plan.grad_scale
+    a = layer_input_rows(site, use, g.shape[0], kfac_approx, dtypes[0])
+    return a, g

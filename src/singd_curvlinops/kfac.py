@@ -75,6 +75,8 @@ class KFAC(KroneckerOptimizer):
             owner does it) or a strategy of `singd_curvlinops.distributed`.
     """
 
+    _rule_type: type[KFACRule] = KFACRule
+
     def __init__(
         self,
         model: Module,
@@ -124,7 +126,7 @@ class KFAC(KroneckerOptimizer):
             model,
             params,
             defaults,
-            rule=KFACRule(),
+            rule=self._rule_type(),
             warn_unsupported=warn_unsupported,
             init_grad_scale=init_grad_scale,
             distribute=distribute,

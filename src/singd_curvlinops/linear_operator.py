@@ -9,7 +9,9 @@ with these blocks, in curvlinops' tensor-list format and in the optimizer's para
 order, so that `@`, `.to_scipy()`, `.adjoint()` and curvlinops' estimators apply to
 it. Its `inverse()` is the curvature \(P^{-1}\) that SINGD implicitly uses,
 \((C C^\top)^{-1} \otimes (K K^\top)^{-1}\), applied through the structures' own
-solves \(K^{-\top} K^{-1}\) (no dense inverse of a sparse factor).
+solves \(K^{-\top} K^{-1}\) (no dense inverse of a sparse factor). For `EKFAC`, a
+block is \((Q_C \otimes Q_K) \operatorname{diag}(D) (Q_C \otimes Q_K)^\top\) with
+\(D = 1 / (E + \lambda)\), and its inverse divides by \(D\) instead.
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ from torch import Tensor
 
 from singd_curvlinops._curvlinops import PyTorchLinearOperator, check_version
 from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import EigenbasisPreconditioner
 from singd_curvlinops.structures import StructuredMatrix
 
 
 class SINGDLinearOperator(PyTorchLinearOperator):
     r"""The preconditioner \(P\) of a `SINGD` optimizer, frozen at construction.
 
-    For the `KFAC` baseline, \(P = (G + \lambda I)^{-1} \otimes (A + \lambda I)^{-1}\).
+    For the `KFAC` baseline, \(P = (G + \lambda I)^{-1} \otimes (A + \lambda I)^{-1}\);
+    for `EKFAC`, \(P = (Q_G \otimes Q_A) \operatorname{diag}(E + \lambda)^{-1}
+    (Q_G \otimes Q_A)^\top\).
 
     Args:
-        optimizer: A `SINGD` or `KFAC` optimizer. Its factors are copied, so later
-            optimizer steps do not change the operator.
+        optimizer: A `SINGD`, `KFAC` or `EKFAC` optimizer. Its factors are copied,
+            so later optimizer steps do not change the operator.
 
     Examples:
         >>> import torch
@@ -55,6 +60,9 @@ class SINGDLinearOperator(PyTorchLinearOperator):
             if layer.weight not in position:
                 continue
             preconditioner = optimizer.preconditioner(layer)
+            eigenvalues = None
+            if isinstance(preconditioner, EigenbasisPreconditioner):
+                eigenvalues = preconditioner.inverse_eigenvalues.clone()
             self._blocks.append(
                 _Block(
                     indices=[position[p] for p in layer.params],
@@ -62,6 +70,7 @@ class SINGDLinearOperator(PyTorchLinearOperator):
                     K=preconditioner.K.clone(),
                     C=preconditioner.C.clone(),
                     square_roots=preconditioner.square_roots,
+                    inverse_eigenvalues=eigenvalues,
                 )
             )
         shapes = [tuple(p.shape) for p in params]
@@ -121,19 +130,53 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         out = [x.clone() for x in X]  # parameters outside any layer: identity
         for block in self._blocks:
             M = block.layer.to_matrix([X[i] for i in block.indices])
-            d_C, d_K, num = M.shape
-            # right factor: M K Kᵀ, i.e. K Kᵀ on the d_K axis of every (row, column)
-            right = self._apply_side(
-                block.K, M.permute(1, 0, 2).reshape(d_K, -1), block.square_roots
-            )
-            M = right.reshape(d_K, d_C, num).permute(1, 0, 2)
-            left = self._apply_side(block.C, M.reshape(d_C, -1), block.square_roots)
-            left = left.reshape(d_C, d_K, num).to(X[block.indices[0]].dtype)
-            for i, part in zip(
-                block.indices, block.layer.from_matrix(left), strict=True
-            ):
+            if block.inverse_eigenvalues is None:
+                M = self._apply_kronecker(block, M)
+            else:
+                M = self._apply_eigenbasis(block, M)
+            M = M.to(X[block.indices[0]].dtype)
+            for i, part in zip(block.indices, block.layer.from_matrix(M), strict=True):
                 out[i] = part
         return out
+
+    def _apply_kronecker(self, block: _Block, M: Tensor) -> Tensor:
+        """Apply a Kronecker block (or its inverse) to columns `M`, `[d_C, d_K, n]`.
+
+        Args:
+            block: The layer's block.
+            M: The columns in the layer's matrix layout.
+
+        Returns:
+            Tensor of `M`'s shape.
+        """
+        d_C, d_K, num = M.shape
+        # right factor: M K Kᵀ, i.e. K Kᵀ on the d_K axis of every (row, column)
+        right = self._apply_side(
+            block.K, M.permute(1, 0, 2).reshape(d_K, -1), block.square_roots
+        )
+        M = right.reshape(d_K, d_C, num).permute(1, 0, 2)
+        left = self._apply_side(block.C, M.reshape(d_C, -1), block.square_roots)
+        return left.reshape(d_C, d_K, num)
+
+    def _apply_eigenbasis(self, block: _Block, M: Tensor) -> Tensor:
+        r"""Apply an EKFAC block (or its inverse) to columns `M`, `[d_C, d_K, n]`.
+
+        Args:
+            block: The layer's block (`K`, `C` hold the bases \(Q_K\), \(Q_C\)).
+            M: The columns in the layer's matrix layout.
+
+        Returns:
+            \(Q_C [(Q_C^\top M Q_K) \odot D] Q_K^\top\) per column, with \(D\)
+            replaced by \(1 / D\) for the inverse.
+        """
+        # (a diagonal factor's basis is the identity, stored as a diagonal matrix)
+        Q_K, Q_C = block.K.to_dense(), block.C.to_dense()
+        D = block.inverse_eigenvalues
+        dtype = torch.promote_types(D.dtype, Q_K.dtype)
+        Q_K, Q_C = Q_K.to(dtype), Q_C.to(dtype)
+        rotated = torch.einsum("ci,cjn,jk->ikn", Q_C, M.to(dtype), Q_K)
+        rotated = rotated / D[..., None] if self._inverse else rotated * D[..., None]
+        return torch.einsum("ci,ikn,jk->cjn", Q_C, rotated, Q_K)
 
 
 @dataclass(frozen=True)
@@ -147,6 +190,8 @@ class _Block:
         C: Copy of the output-side factor.
         square_roots: Whether the block is \(C C^\top \otimes K K^\top\) (else
             \(C \otimes K\)).
+        inverse_eigenvalues: EKFAC's \(D\) (then `K`, `C` are its eigenbases), or
+            None for a Kronecker block.
     """
 
     indices: list[int]
@@ -154,3 +199,4 @@ class _Block:
     K: StructuredMatrix
     C: StructuredMatrix
     square_roots: bool
+    inverse_eigenvalues: Tensor | None = None

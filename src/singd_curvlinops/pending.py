@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.structures import StructuredMatrix
 
 
@@ -61,6 +62,7 @@ class PendingStatistics:
         pass_H_K: Mean of the open pass's \(H_K\), weighted by rows.
         pass_rows: Rows of the open pass.
         pass_examples: Examples of the open pass.
+        examples: The rows for per-example gradients (rules with `per_example`).
     """
 
     H_K: StructuredMatrix | None
@@ -71,6 +73,7 @@ class PendingStatistics:
     pass_H_K: StructuredMatrix | None = None
     pass_rows: int = 0
     pass_examples: int = 0
+    examples: ExampleGradients | None = None
 
     @classmethod
     def open(

@@ -112,6 +112,11 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
                 f"{supported_layers()} layers."
             )
         self._distribution = distributed.resolve(distribute)
+        if rule.per_example and isinstance(self._distribution, distributed.Shard):
+            raise ValueError(
+                f"distribute={distribute!r}: {type(self).__name__} needs every "
+                "rank's rows in each factor update; use distribute='replicate'."
+            )
         self._collector = StatisticsCollector(self._collection_plan)
         self._records = PreconditionerCache(self)
         self._fallback: set[Parameter] = set()
@@ -210,11 +215,12 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
                 flipped = None if record is None else record.transposed()
                 twin_options = layer.twin.options(group)
                 transposed = partial(self._rule.project, flipped, group=twin_options)
-        elif layer.twin is not None:
+        if layer.twin is not None and (transposed is None or self._rule.per_example):
             raise ValueError(
                 f"Layer {layer.name!r} is tied to a layer used transposed (an "
-                "embedding tied to an output layer); distribute=Shard(factors="
-                "'owned') does not support such layers. Use distribute='shard'."
+                "embedding tied to an output layer), which neither "
+                "distribute=Shard(factors='owned') nor per-example rules (EKFAC) "
+                "support."
             )
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
@@ -223,6 +229,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
             grad_scale=state["grad_scale"],
             project=project,
             project_transposed=transposed,
+            per_example=self._rule.per_example,
         )
 
     # --------------------------------------------------------------- curvature

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from singd_curvlinops import EKFAC, KFAC
 from singd_curvlinops.compare.optimizers import (
     DEFAULT_OPTIMIZERS,
     FAMILIES,
@@ -41,6 +42,7 @@ def test_dimension_rejects_an_empty_interval():
         ("ikfac", "ikfac:dense", "IKFAC"),
         ("ikfac:triltoeplitz", "ikfac:triltoeplitz", "IKFAC (triltoeplitz)"),
         ("kfac", "kfac", "KFAC"),
+        ("EKFAC", "ekfac", "EKFAC"),
         ("soap", "soap", "SOAP"),
     ],
 )
@@ -54,6 +56,7 @@ def test_names_and_labels(name, canonical, label):
     [
         ("adam", "unknown optimizer 'adam'; choose from singd[:STRUCTURE], "),
         ("sgd:diagonal", "sgd takes no structure"),
+        ("ekfac:diagonal", "ekfac takes no structure"),
         ("singd:banded", "Unknown structure 'banded'"),
     ],
 )
@@ -68,6 +71,7 @@ def test_the_bf16_comparison_covers_the_kfac_family_only():
         "singd": ("bf16",),
         "ikfac": ("bf16",),
         "kfac": ("bf16", "bf16-fp32-factors"),
+        "ekfac": (),
         "adamw": (),
         "sgd": (),
         "soap": (),
@@ -93,6 +97,14 @@ def test_every_default_optimizer_builds_and_steps(name):
         state = optimizer.state[model[0].weight]
         factors = [v for k, v in state.items() if k[0] in "KCAG" and "." in k]
         assert factors and all(f.dtype == torch.bfloat16 for f in factors)
+
+
+@pytest.mark.parametrize(("name", "optimizer"), [("kfac", KFAC), ("ekfac", EKFAC)])
+def test_the_kfac_entries_build_their_own_optimizer(name, optimizer):
+    spec = parse_optimizer(name)
+    built = spec.build(nn.Linear(3, 2), {"lr": 0.1, "damping": 0.1}, "batch")
+    assert type(built) is optimizer
+    assert built.defaults["ema_decay"] == 0.95 and built.defaults["T"] == 5
 
 
 def test_warmup_then_cosine_to_zero():

@@ -92,8 +92,9 @@ def cache_bytes(optimizer: torch.optim.Optimizer) -> int:
     r"""Return the size of the cached preconditioner of `SINGD` or `KFAC` in bytes.
 
     `SINGD` keeps \(K K^\top\) and \(C C^\top\) between factor updates, `KFAC` its
-    damped inverses: the matrices of each layer's `optimizer.preconditioner`,
-    derived from the state and rebuilt when missing. Tensors that are also part of
+    damped inverses, `EKFAC` its damped inverse eigenvalues: the matrices of each
+    layer's `optimizer.preconditioner`, derived from the state and rebuilt when
+    missing. Tensors that are also part of
     the state are not counted again.
 
     Args:
@@ -109,7 +110,12 @@ def cache_bytes(optimizer: torch.optim.Optimizer) -> int:
     records = [
         optimizer.preconditioner(layer) for layer in getattr(optimizer, "layers", ())
     ]
-    cached = _tensors([(r.K, r.C, r.KKt, r.CCt) for r in records])
+    cached = _tensors(
+        [
+            (r.K, r.C, r.KKt, r.CCt, getattr(r, "inverse_eigenvalues", None))
+            for r in records
+        ]
+    )
     return _unique_bytes(
         [t for t in cached if (t.data_ptr(), t.numel(), t.dtype) not in state]
     )

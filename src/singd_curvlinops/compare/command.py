@@ -47,7 +47,7 @@ optimizers (--optimizers, comma-separated):
   singd:STRUCTURE   SINGD, both factors in STRUCTURE (dense, diagonal, triltoeplitz,
                     block30diagonal, hierarchical15_15, ...)
   ikfac[:STRUCTURE] IKFAC (SINGD with kfac_like=True; default dense)
-  kfac              the KFAC baseline
+  kfac, ekfac       the KFAC and EKFAC (eigenvalue-corrected KFAC) baselines
   adamw, sgd        torch.optim.AdamW and SGD with momentum
   soap              SOAP (Shampoo family) from pytorch-optimizer
   every optimizer runs under linear warm-up (5% of the steps) and cosine decay

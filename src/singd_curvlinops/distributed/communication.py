@@ -29,15 +29,16 @@ from singd_curvlinops.distributed.strategy import Shard
 
 
 def bytes_per_update(optimizer: Any) -> int:
-    """Return the bytes each process sends per factor update (statistics only).
+    r"""Return the bytes each process sends per factor update (statistics only).
 
     Args:
-        optimizer: A `SINGD` or `KFAC` optimizer.
+        optimizer: A `SINGD`, `KFAC` or `EKFAC` optimizer.
 
     Returns:
         Size of the all-reduced buffer: every layer's stored entries of `H_K` and
         `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
-        the factors' dtype.
+        the factors' dtype; for EKFAC also the second collective's
+        \(d_C \times d_K\) sums, in at least float32.
     """
     strategy, total = optimizer.distribution, 0
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
@@ -50,6 +51,9 @@ def bytes_per_update(optimizer: Any) -> int:
         )
         dtype = torch.promote_types(*layer.factor_dtypes(group))
         total += (entries + 1) * dtype.itemsize
+        if optimizer.rule.per_example:  # EKFAC's second collective (exchange)
+            sums = torch.promote_types(dtype, torch.float32)
+            total += layer.dims[0] * layer.dims[1] * sums.itemsize
     return total
 
 

@@ -19,9 +19,20 @@ convention) to train on the sum over the concatenated batch.
 
 Only the structures' stored tensors travel, packed with the example counts into a
 single buffer per step (a diagonal factor sends \(d\) numbers, not \(d^2\)). Before
-the first exchange, the processes compare a checksum of their layers, structures,
-options and distribution strategy (`collectives.check_same_configuration`), so
-that a mismatch raises an error instead of hanging.
+the first exchange, the processes compare a checksum of their factor rule, layers,
+structures, options and distribution strategy
+(`collectives.check_same_configuration`), so that a mismatch raises an error
+instead of hanging.
+
+A rule with per-example gradients (EKFAC) needs a second collective per layer and
+factor update: its sums of squared per-example gradients \(\Sigma_r\) are taken in
+the eigenbasis of the factors, which exists only after the first exchange. Every
+process computes \(\Sigma_r\) from its own rows in that (common) basis, and
+`sum_over_processes` all-reduces them, dividing by \(P^2\) as for \(U_C\):
+\(\Sigma = \frac{1}{P^2} \sum_r \Sigma_r\), then scaled by \(\nu(N)\). The
+processes call it in the same order, since each runs the factor updates of the same
+due layers in the order of `layers` (`Replicate` only: under `Shard` only owners
+would call it).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from torch import Tensor
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed.collectives import named_collective, world_size
 from singd_curvlinops.layers import Layer
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
 
@@ -56,9 +68,10 @@ def describe_layers(
         rule: Its factor rule.
 
     Returns:
-        One line per layer: name, dimensions, structures and options.
+        The rule's name, then one line per layer: name, dimensions, structures and
+        options.
     """
-    return ";".join(
+    return f"{type(rule).__name__};" + ";".join(
         f"{layer.name}:{layer.dims}:{layer.structures}:"
         + str([groups[layer.group_index][k] for k in _EXCHANGE_OPTIONS])
         for layer in layers
@@ -109,6 +122,21 @@ def all_reduce_statistics(
     return totals
 
 
+def sum_over_processes(tensor: Tensor) -> Tensor:
+    r"""All-reduce a per-process sum of squared output gradients, divided by \(P^2\).
+
+    The second collective of rules with per-example gradients (module docs).
+
+    Args:
+        tensor: This process's \(\Sigma_r\) (overwritten).
+
+    Returns:
+        `tensor`, now \(\frac{1}{P^2} \sum_r \Sigma_r\).
+    """
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(world_size() ** 2)
+
+
 def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
     """Copy the next entries of `buffer` into `matrix`'s stored tensors.
 
@@ -136,11 +164,21 @@ class StatisticsExchange:
     Args:
         zeros: Zero statistics of a layer, shaped as its hooks produce them.
         grad_scale: The gradient scale a layer's statistics would carry.
+        per_example: Whether the rule keeps per-example rows (EKFAC): their sums
+            of squares are then all-reduced by the rule's update, in a second
+            collective (`sum_over_processes`).
     """
 
-    def __init__(self, zeros: ZeroStatistics, grad_scale: Callable[[Layer], float]):
+    def __init__(
+        self,
+        zeros: ZeroStatistics,
+        grad_scale: Callable[[Layer], float],
+        *,
+        per_example: bool = False,
+    ):
         self._zeros = zeros
         self._grad_scale = grad_scale
+        self._per_example = per_example
 
     def __call__(
         self, pending: dict[Layer, PendingStatistics], due: Sequence[Layer]
@@ -160,6 +198,8 @@ class StatisticsExchange:
             if record is None:
                 H_K, H_C = self._zeros(layer)
                 record = PendingStatistics(H_K, H_C, 0, self._grad_scale(layer))
+                if self._per_example:
+                    record.examples = ExampleGradients()
             records.append(record)
         totals = all_reduce_statistics(
             [(record.H_K, record.H_C, record.num_examples) for record in records]
@@ -170,3 +210,5 @@ class StatisticsExchange:
             else:
                 record.num_examples = total
                 pending[layer] = record
+                if record.examples is not None:
+                    record.examples.reduce = sum_over_processes

@@ -132,9 +132,11 @@ class DistributionStrategy:
                 return ownership.dense_zeros(layer.dims, dtypes, device)
             return rule.zero_statistics(group, layer.dims, dtypes, device)
 
-        StatisticsExchange(zeros, lambda layer: state[layer.weight]["grad_scale"])(
-            pending, due
-        )
+        StatisticsExchange(
+            zeros,
+            lambda layer: state[layer.weight]["grad_scale"],
+            per_example=rule.per_example,
+        )(pending, due)
 
     def _configure(
         self,

@@ -4,8 +4,11 @@ A *factor rule* owns the Kronecker factors of one layer as plain tensors in the
 layer's state: it creates them (`init_state`), turns a micro-batch's rows
 \(a\), \(\tilde g\) into the statistics it accumulates (`project`), updates the
 factors from the accumulated statistics (`update`) and states the preconditioner
-they define (`preconditioner`). Rules see tensors, structures and the options of
-a parameter group; never modules, hooks or the optimizer.
+they define (`preconditioner`). A rule that also needs each example's gradient
+(EKFAC) says so with `per_example`: the collector then keeps the pass's rows in a
+`per_example.ExampleGradients` record, which `update` receives. Rules see tensors,
+structures and the options of a parameter group; never modules, hooks or the
+optimizer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.statistics import SparseRows
 from singd_curvlinops.structures import DiagonalMatrix, StructuredMatrix, get_structure
 from singd_curvlinops.update import (
@@ -109,10 +113,13 @@ class FactorStatistics:
             training pass, accumulated over micro-batches (and processes) and
             scaled to the conventions of \(U_K\), \(U_C\); or None.
         handed_over: Dense \((U_K, U_C)\) from `set_curvature`, or None.
+        examples: With `collected`, for a rule with `per_example`: the pass's
+            per-example gradients, scaled to the convention of \(U_C\).
     """
 
     collected: tuple[StructuredMatrix, StructuredMatrix] | None = None
     handed_over: tuple[Tensor, Tensor] | None = None
+    examples: ExampleGradients | None = None
 
 
 class FactorRule(ABC):
@@ -135,12 +142,15 @@ class FactorRule(ABC):
             preconditioner they are given (SINGD: its factors); if not, the
             optimizer passes None and builds none for them (KFAC: no inverse
             before the update).
+        per_example: Whether `update` needs the per-example gradients of the pass
+            (`FactorStatistics.examples`); `project` must then leave `a` intact.
     """
 
     factor_sides: tuple[tuple[str, int], ...] = ()
     splits_sides: bool = False
     owner_state: tuple[str, ...] = ()
     reads_preconditioner: bool = True
+    per_example: bool = False
 
     def label(self, group: dict[str, Any]) -> str:
         """Return the name of the update a group gets, for summaries.
@@ -206,7 +216,8 @@ class FactorRule(ABC):
         Args:
             preconditioner: The layer's current preconditioner (None unless
                 `reads_preconditioner`).
-            a: Input rows `[rows, d_K]` (a buffer the rule may overwrite).
+            a: Input rows `[rows, d_K]` (a buffer the rule may overwrite, unless
+                it sets `per_example`).
             g: Output-gradient rows `[rows, d_C]` (leave intact).
             group: The layer's options (`Layer.options`: its own structures).
 

@@ -1,0 +1,133 @@
+"""`ExampleGradients`: squared projected per-example gradients, against einsum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from singd_curvlinops import per_example
+from singd_curvlinops.per_example import ExampleGradients
+
+CPU = torch.device("cpu")
+
+
+def orthogonal(dim: int, generator: torch.Generator) -> Tensor:
+    matrix = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+    return torch.linalg.qr(matrix).Q
+
+
+def reference(chunks: list[tuple[Tensor, Tensor]], Q_K: Tensor, Q_C: Tensor) -> Tensor:
+    """Σ over micro-batches of N_b S Σ_n (Q_Cᵀ (Σ_s g_ns a_nsᵀ) Q_K)²."""
+    total = 0
+    for a, g in chunks:
+        num, positions = a.shape[:2]
+        gradients = torch.einsum("nsc,nsk->nck", g, a)
+        rotated = Q_C.T @ gradients @ Q_K
+        total = total + num * positions * rotated.square().sum(0)
+    return total
+
+
+# (positions, d_K, d_C): the first two take the Gramian, the last two the
+# per-example products (S² (d_C + d_K) > d_C d_K)
+SHAPES = [(1, 7, 5), (2, 9, 8), (3, 4, 2), (5, 6, 3)]
+
+
+@pytest.mark.parametrize("chunk_numbers", [per_example.CHUNK_NUMBERS, 1, 60])
+@pytest.mark.parametrize(("positions", "d_K", "d_C"), SHAPES)
+def test_squared_projections_over_micro_batches(
+    monkeypatch, positions: int, d_K: int, d_C: int, chunk_numbers: int
+) -> None:
+    monkeypatch.setattr(per_example, "CHUNK_NUMBERS", chunk_numbers)
+    generator = torch.Generator().manual_seed(positions * 100 + d_K)
+    Q_K, Q_C = orthogonal(d_K, generator), orthogonal(d_C, generator)
+    record, chunks = ExampleGradients(scale=2.5), []
+    for num in (4, 7):  # micro-batches of different sizes
+        a = torch.randn(num, positions, d_K, generator=generator, dtype=torch.float64)
+        g = torch.randn(num, positions, d_C, generator=generator, dtype=torch.float64)
+        record.add(a.flatten(0, 1), g.flatten(0, 1), num)
+        chunks.append((a, g))
+    expected = 2.5 * reference(chunks, Q_K, Q_C)
+    result = record.squared_projections(Q_K, Q_C, dims=(d_K, d_C), device=CPU)
+    assert result.shape == (d_C, d_K)
+    assert torch.allclose(result, expected, rtol=1e-12, atol=0)
+
+
+def test_reduce_sees_the_unscaled_sum_and_low_precision_is_computed_in_float32():
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 3, generator=generator).bfloat16()
+    g = torch.randn(6, 2, generator=generator).bfloat16()
+    seen = []
+
+    def reduce(total: Tensor) -> Tensor:
+        seen.append(total.clone())
+        return total * 3
+
+    record = ExampleGradients(scale=0.5, reduce=reduce)
+    record.add(a, g, 6)
+    Q_K, Q_C = torch.eye(3, dtype=torch.bfloat16), torch.eye(2, dtype=torch.bfloat16)
+    result = record.squared_projections(Q_K, Q_C, dims=(3, 2), device=CPU)
+    unscaled = 6 * torch.einsum("nc,nk->ck", g.float().square(), a.float().square())
+    assert seen[0].dtype == result.dtype == torch.float32
+    assert torch.allclose(seen[0], unscaled, rtol=1e-6)
+    assert torch.allclose(result, 1.5 * unscaled, rtol=1e-6)
+
+
+def test_no_examples_give_zeros() -> None:
+    """A process without data takes part in the collective with zeros."""
+    result = ExampleGradients().squared_projections(
+        torch.eye(3, dtype=torch.float64),
+        torch.eye(2, dtype=torch.float64),
+        dims=(3, 2),
+        device=CPU,
+    )
+    assert torch.equal(result, torch.zeros(2, 3, dtype=torch.float64))
+    without_bases = ExampleGradients().squared_projections(
+        None, None, dims=(3, 2), device=CPU
+    )
+    assert torch.equal(without_bases, torch.zeros(2, 3, dtype=torch.float32))
+
+
+def test_identity_bases_may_be_left_out() -> None:
+    """A diagonal factor's basis is the identity: None means no rotation."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+    g = torch.randn(10, 3, generator=generator, dtype=torch.float64)
+    Q_C = orthogonal(3, generator)
+    record = ExampleGradients()
+    record.add(a, g, 5)
+    rotated = record.squared_projections(
+        torch.eye(4, dtype=torch.float64), Q_C, dims=(4, 3), device=CPU
+    )
+    plain = record.squared_projections(None, Q_C, dims=(4, 3), device=CPU)
+    assert torch.allclose(rotated, plain, rtol=1e-13, atol=0)
+
+
+def test_uses_of_one_pass_join_into_one_gradient_per_example() -> None:
+    """A layer applied twice in one pass: each example's gradient sums both uses."""
+    generator = torch.Generator().manual_seed(4)
+    num, d_K, d_C = 5, 3, 2
+    x1, x2 = (
+        torch.randn(num, s, d_K, generator=generator, dtype=torch.float64)
+        for s in (2, 3)
+    )
+    g1, g2 = (
+        torch.randn(num, s, d_C, generator=generator, dtype=torch.float64)
+        for s in (2, 3)
+    )
+    record = ExampleGradients()
+    for x, g in ((x1, g1), (x2, g2)):  # rows normalised by 1/sqrt(N S) per use
+        a = x / (num * x.shape[1]) ** 0.5
+        record.add(a.flatten(0, 1), g.flatten(0, 1), num, pass_id=7)
+    per_example = torch.einsum("nsc,nsk->nck", g1, x1) + torch.einsum(
+        "nsc,nsk->nck", g2, x2
+    )
+    expected = per_example.square().sum(0)
+    result = record.squared_projections(None, None, dims=(d_K, d_C), device=CPU)
+    assert torch.allclose(result, expected, rtol=1e-12, atol=0)
+    separate = ExampleGradients()  # other passes: squares summed, not joined
+    for x, g in ((x1, g1), (x2, g2)):
+        a = x / (num * x.shape[1]) ** 0.5
+        separate.add(a.flatten(0, 1), g.flatten(0, 1), num, pass_id=None)
+    apart = separate.squared_projections(None, None, dims=(d_K, d_C), device=CPU)
+    assert not torch.allclose(apart, expected)

@@ -9,7 +9,8 @@ Searched (log scale), and fixed:
 
 - `singd[:S]`: `lr` [3e-3, 0.3], `damping` [1e-3, 0.3], `lr_cov` [3e-3, 0.3];
   `momentum=0.9, alpha1=0.5, T=5`, both factors in structure `S` (default dense).
-- `ikfac[:S]`: as SINGD, with `kfac_like=True`.
+- `ikfac[:S]`: as SINGD, with `kfac_like=True` and the default `alpha1=None`,
+  which means no Riemannian momentum: the paper's IKFAC.
 - `kfac`: `lr` [3e-3, 0.3], `damping` [1e-2, 1]; `momentum=0.9, ema_decay=0.95,
   T=5`.
 - `ekfac`: `lr` [3e-3, 0.3], `damping` [3e-2, 3]; fixed as KFAC.
@@ -209,7 +210,7 @@ FAMILIES: dict[str, Family] = {
     "ikfac": Family(
         label="IKFAC",
         space=_FACTOR_SPACE,
-        fixed={**_KFAC_FAMILY, "alpha1": 0.5, "kfac_like": True},
+        fixed={**_KFAC_FAMILY, "kfac_like": True},  # alpha1 None: 0, the paper's
         build=_singd,
         structured=True,
         bf16_precisions=("bf16",),

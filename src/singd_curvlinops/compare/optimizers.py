@@ -135,66 +135,41 @@ def _kfac(
     )
 
 
-def _adamw(
-    model: nn.Module,
-    options: dict[str, Any],
-    loss_average: str,
-    factor_dtype: torch.dtype | None,
-) -> torch.optim.AdamW:
-    """Construct `torch.optim.AdamW` (`loss_average` and `factor_dtype` unused).
+def _first_order(load: Callable[[], type[torch.optim.Optimizer]]) -> Factory:
+    """Return the factory of a first-order optimizer over all parameters.
+
+    Such an optimizer takes `model.parameters()` and its options; the workload's
+    `loss_average` and the factor dtype do not concern it.
 
     Args:
-        model: The network.
-        options: Searched and fixed options.
-        loss_average: Unused.
-        factor_dtype: Unused.
+        load: Returns the optimizer class (imported when first built, so that an
+            optional package is needed only by the runs that use it).
 
     Returns:
-        The optimizer.
+        The factory.
     """
-    return torch.optim.AdamW(model.parameters(), **options)
+
+    def build(
+        model: nn.Module,
+        options: dict[str, Any],
+        loss_average: str,
+        factor_dtype: torch.dtype | None,
+    ) -> torch.optim.Optimizer:
+        del loss_average, factor_dtype  # a first-order optimizer has neither
+        return load()(model.parameters(), **options)
+
+    return build
 
 
-def _sgd(
-    model: nn.Module,
-    options: dict[str, Any],
-    loss_average: str,
-    factor_dtype: torch.dtype | None,
-) -> torch.optim.SGD:
-    """Construct `torch.optim.SGD` (`loss_average` and `factor_dtype` unused).
-
-    Args:
-        model: The network.
-        options: Searched and fixed options.
-        loss_average: Unused.
-        factor_dtype: Unused.
-
-    Returns:
-        The optimizer.
-    """
-    return torch.optim.SGD(model.parameters(), **options)
-
-
-def _soap(
-    model: nn.Module,
-    options: dict[str, Any],
-    loss_average: str,
-    factor_dtype: torch.dtype | None,
-) -> torch.optim.Optimizer:
-    """Construct pytorch-optimizer's `SOAP` (`loss_average`, `factor_dtype` unused).
-
-    Args:
-        model: The network.
-        options: Searched and fixed options.
-        loss_average: Unused.
-        factor_dtype: Unused.
+def _soap_class() -> type[torch.optim.Optimizer]:
+    """Import pytorch-optimizer's `SOAP` (extra `compare`).
 
     Returns:
-        The optimizer.
+        The class.
     """
     from pytorch_optimizer import SOAP
 
-    return SOAP(model.parameters(), **options)
+    return SOAP
 
 
 _KFAC_FAMILY = {"momentum": 0.9, "T": 5}
@@ -236,19 +211,22 @@ FAMILIES: dict[str, Family] = {
         build=partial(_kfac, EKFAC),
     ),
     "adamw": Family(
-        label="AdamW", space=_ADAM_SPACE, fixed={"betas": (0.9, 0.999)}, build=_adamw
+        label="AdamW",
+        space=_ADAM_SPACE,
+        fixed={"betas": (0.9, 0.999)},
+        build=_first_order(lambda: torch.optim.AdamW),
     ),
     "sgd": Family(
         label="SGD",
         space=(Dimension("lr", 1e-2, 1.0),),
         fixed={"momentum": 0.9},
-        build=_sgd,
+        build=_first_order(lambda: torch.optim.SGD),
     ),
     "soap": Family(
         label="SOAP",
         space=_ADAM_SPACE,
         fixed={"precondition_frequency": 5},
-        build=_soap,
+        build=_first_order(_soap_class),
         requires=("pytorch_optimizer",),
     ),
 }

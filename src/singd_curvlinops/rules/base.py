@@ -225,7 +225,6 @@ class FactorRule(ABC):
             The two matrices that accumulate over micro-batches.
         """
 
-    @abstractmethod
     def zero_statistics(
         self,
         group: dict[str, Any],
@@ -234,6 +233,9 @@ class FactorRule(ABC):
         device: torch.device,
     ) -> tuple[StructuredMatrix, StructuredMatrix]:
         """Return zeros shaped like `project`'s result (a process without data).
+
+        The default holds for rules whose statistics are in the factors'
+        structures (SINGD, KFAC).
 
         Args:
             group: The layer's parameter group.
@@ -244,6 +246,10 @@ class FactorRule(ABC):
         Returns:
             Two zero matrices.
         """
+        return tuple(
+            get_structure(name).zeros(dim, dtype=dtype, device=device)
+            for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
+        )
 
     @abstractmethod
     def update(

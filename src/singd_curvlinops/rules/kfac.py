@@ -98,19 +98,6 @@ class KFACRule(FactorRule):
         K_structure, C_structure = (get_structure(n) for n in group["structures"])
         return gram(K_structure, a), gram(C_structure, g)
 
-    def zero_statistics(
-        self,
-        group: dict[str, Any],
-        dims: tuple[int, int],
-        dtypes: tuple[torch.dtype, torch.dtype],
-        device: torch.device,
-    ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        """Return zeros in the factors' structures."""
-        return tuple(
-            get_structure(name).zeros(dim, dtype=dtype, device=device)
-            for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
-        )
-
     def update(
         self,
         state: dict[str, Any],

@@ -110,19 +110,6 @@ class SINGDRule(FactorRule):
             project_rows(preconditioner.C, g, overwrite=False),
         )
 
-    def zero_statistics(
-        self,
-        group: dict[str, Any],
-        dims: tuple[int, int],
-        dtypes: tuple[torch.dtype, torch.dtype],
-        device: torch.device,
-    ) -> tuple[StructuredMatrix, StructuredMatrix]:
-        """Return zeros in the factors' structures."""
-        return tuple(
-            get_structure(name).zeros(dim, dtype=dtype, device=device)
-            for name, dim, dtype in zip(group["structures"], dims, dtypes, strict=True)
-        )
-
     def update(
         self,
         state: dict[str, Any],

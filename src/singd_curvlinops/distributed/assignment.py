@@ -32,10 +32,17 @@ lowers the largest load. Everything is a pure function of the layers' dimensions
 structures and `T` and of the world size: every rank computes the same assignment
 without communicating. More ranks than units leave ranks without factor work; a
 layer that dominates the model is split.
+
+**Column blocks.** Under `Shard(factors="owned")` a layer whose dense \(K\) and
+\(m_K\) alone hold more than a rank's fair share of all factor entries cannot be
+balanced by placing whole layers: `column_layers` picks such layers, and their
+\(K\) is split by column blocks over all ranks (`column_blocks`, see
+`columns`); their work is the same on every rank and does not enter the LPT.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -80,10 +87,13 @@ class Assignment:
         owners: The ranks that update side 0 (\(K\)) and side 1 (\(C\)).
         anchor: None if one rank owns the whole layer; else the side whose owner
             computes the half product.
+        columns: Whether \(K\) is split by column blocks over all ranks (and
+            \(C\) kept and updated by every rank); `owners` is then unused.
     """
 
     owners: tuple[int, int]
     anchor: int | None = None
+    columns: bool = False
 
     @property
     def direction_owner(self) -> int:
@@ -146,12 +156,21 @@ class _Schedule:
     makespan: float
 
 
-def assign(costs: Sequence[LayerCost], world_size: int) -> list[Assignment]:
-    """Assign every layer's factor work to ranks (see the module docs).
+def assign(
+    costs: Sequence[LayerCost],
+    world_size: int,
+    entries: Sequence[tuple[int, int]] = (),
+    columns: Sequence[bool] = (),
+) -> list[Assignment]:
+    r"""Assign every layer's factor work to ranks (see the module docs).
 
     Args:
         costs: Per layer, in the same order on every rank.
         world_size: The number of ranks.
+        entries: Per layer, the stored entries of \(K\) and \(C\) (only
+            needed with `columns`).
+        columns: Per layer, whether its \(K\) may be split by column blocks
+            (`column_layers`); empty: none may.
 
     Returns:
         Per layer, its `Assignment`.
@@ -163,6 +182,14 @@ def assign(costs: Sequence[LayerCost], world_size: int) -> list[Assignment]:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
     if world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    split_columns = column_layers(entries, columns, world_size) if columns else ()
+    if split_columns:
+        whole = [i for i in range(len(costs)) if i not in split_columns]
+        placed = assign([costs[i] for i in whole], world_size)
+        by_index = dict(zip(whole, placed, strict=True))
+        return [
+            by_index.get(i, Assignment((0, 0), columns=True)) for i in range(len(costs))
+        ]
     split: frozenset[int] = frozenset()
     best = _schedule(costs, world_size, split)
     candidates = sorted(
@@ -219,3 +246,46 @@ def _schedule(
             replicated += cost.build[b] + cost.apply[b]
             assignments.append(Assignment(owners, cost.anchor))
     return _Schedule(tuple(assignments), max(loads) + replicated)
+
+
+def column_blocks(dim: int, world_size: int) -> list[tuple[int, int]]:
+    """Return the balanced column blocks of a `dim`-dimensional factor.
+
+    Args:
+        dim: The factor's dimension (at least `world_size`).
+        world_size: The number of ranks.
+
+    Returns:
+        Per rank, `(start, stop)`; the first `dim % world_size` blocks are one
+        column wider than the others.
+    """
+    size, extra = divmod(dim, world_size)
+    starts = [r * size + min(r, extra) for r in range(world_size + 1)]
+    return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def column_layers(
+    entries: Sequence[tuple[int, int]], eligible: Sequence[bool], world_size: int
+) -> frozenset[int]:
+    r"""Return the layers whose \(K\) is split by column blocks (owned factors).
+
+    A layer is split if it may be (`eligible`: SINGD with a dense \(K\), of
+    \(n_K = d_K^2\) entries and at least `world_size` columns) and its \(K\)
+    stores more than the fair share \(\frac1W \sum (n_K + n_C)\) of all layers'
+    entries: no placement of whole layers could then keep every rank's factor
+    state at its share.
+
+    Args:
+        entries: Per layer, the stored entries of \(K\) and \(C\).
+        eligible: Per layer, whether its \(K\) may be split.
+        world_size: The number of ranks.
+
+    Returns:
+        The indices of the split layers (none on one rank).
+    """
+    share = sum(n_K + n_C for n_K, n_C in entries) / world_size
+    return frozenset(
+        index
+        for index, ((n_K, _), ok) in enumerate(zip(entries, eligible, strict=True))
+        if ok and 1 < world_size <= math.isqrt(n_K) and n_K > share
+    )

@@ -5,8 +5,11 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   \(U_K\), \(U_C\) under `Shard(factors="owned")`.
 - **gather**: the `all_gather` of a sharded step (see `engine`): every rank
   receives every rank's share, padded to the largest, so the gathered buffer
-  holds `world_size` times the largest share. Factors travel on update steps
-  (`factors="replicated"`), (half-)preconditioned gradients on every step.
+  holds `world_size` times the largest share. Layers whose \(K\) is split by
+  column blocks (`columns`) add, on update steps, the gather of the blocks and
+  two partial traces each (and of one maximum each with `normalize_lr_cov`).
+  Factors travel on update steps (`factors="replicated"`), (half-)preconditioned
+  gradients on every step.
 - **checks**: the configuration check (once) and the step check of `Shard` (two
   64-bit integers per step).
 
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 from singd_curvlinops.distributed import collectives
-from singd_curvlinops.distributed.assignment import stored_entries
+from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.strategy import Shard
@@ -95,4 +98,37 @@ def bytes_per_step(
     for items in ([first] if first else []) + [layout]:
         shares = [sum(item.numel for item in share) for share in items]
         gathered += world * max(shares) * itemsize
+    split = [layer for layer in layers if plan[layer].columns]
+    if update and split:
+        gathered += _column_bytes(split, groups, world)
     return {"statistics": statistics, "gather": gathered, "checks": 16}
+
+
+def _column_bytes(layers: list, groups: list, world: int) -> int:
+    """Return the bytes of the update gathers of layers split by column blocks.
+
+    Args:
+        layers: The split layers.
+        groups: The parameter groups.
+        world: The number of ranks.
+
+    Returns:
+        The blocks with two partial traces each, and the maxima of `m_K` if a
+        layer normalises its factor learning rate.
+    """
+    itemsize = buffer_dtype(layers, groups).itemsize
+    shares = [
+        sum(
+            layer.dims[0] * (stop - start) + 2
+            for layer, (start, stop) in (
+                (layer, column_blocks(layer.dims[0], world)[r]) for layer in layers
+            )
+        )
+        for r in range(world)
+    ]
+    total = world * max(shares) * itemsize
+    if any(
+        layer.options(groups[layer.group_index])["normalize_lr_cov"] for layer in layers
+    ):
+        total += world * len(layers) * itemsize
+    return total

@@ -8,6 +8,9 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    \(\Delta = P_C \Gamma P_K\); for a split layer, the owner of the anchor side
    computes the half product (\(\Gamma P_K\) or \(P_C \Gamma\)); a layer sharded
    by FSDP2 has every rank precondition its rows of \(\Gamma P_K\) (see `fsdp`);
+   a layer whose \(K\) is split by column blocks has every rank compute its term
+   of \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
+   updated before, together, in a collective of their own: see `columns`);
 3. **shares** in one `all_gather`: each rank's (half-)preconditioned gradients,
    one flag each (0: the layer has no gradient), and — if the factors are
    replicated — the updated factors of its sides (not their momenta, which only
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from singd_curvlinops.distributed import columns
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
     named_collective,
@@ -93,8 +97,10 @@ class GatheredStep:
             layers: The layers of this step, in the same order on every rank.
         """
         due = [self.stepper.due(layer) for layer in layers]
+        self._update_columns(layers, due)
         for layer, is_due in zip(layers, due, strict=True):
-            self._update(layer, is_due)
+            if not self._split(layer):
+                self._update(layer, is_due)
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = self.layouts(layers, due)
         if first:  # the factors first, then the preconditioning
@@ -147,6 +153,40 @@ class GatheredStep:
                 self.stepper.update(layer, statistics)
         self.stepper.finish(layer, due=due)
 
+    def _split(self, layer: Layer) -> bool:
+        r"""Return whether the layer's \(K\) is split by column blocks (`columns`).
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Whether its assignment says so.
+        """
+        assignment = self.plan[layer]
+        return assignment is not None and assignment.columns
+
+    def _update_columns(self, layers: Sequence[Layer], due: list[bool]) -> None:
+        """Update the layers split by column blocks together (one collective).
+
+        Args:
+            layers: The layers.
+            due: Per layer, whether its factors update.
+        """
+        split = [
+            (layer, is_due)
+            for layer, is_due in zip(layers, due, strict=True)
+            if self._split(layer)
+        ]
+        pending = []
+        for layer, is_due in split:
+            if is_due:
+                statistics = self.stepper.take(layer)
+                dense = None if statistics is None else _as_dense(statistics)
+                pending.append((layer, dense))
+        columns.update(self.stepper, pending)
+        for layer, is_due in split:
+            self.stepper.finish(layer, due=is_due)
+
     def _state_items(self, layers: Sequence[Layer], due: list[bool], r: int) -> list:
         """Return the state entries rank `r` sends (of the sides it updated).
 
@@ -193,6 +233,8 @@ class GatheredStep:
             d_K, d_C = layer.dims
             if layer in sharded:
                 shape = (chunk_rows(layer, self.world), d_K)
+            elif self._split(layer):  # every rank sends its term of the sum
+                shape = (d_C, d_K)
             elif self._local(layer) or self.plan[layer].direction_owner != r:
                 continue
             else:
@@ -215,6 +257,11 @@ class GatheredStep:
         Returns:
             What this rank sends for the layer (None: nothing or no gradient).
         """
+        if self._split(layer):
+            grad = self.stepper.gradient(layer)
+            if grad is None:
+                return None
+            return columns.partial_direction(self.stepper, layer, grad)
         assignment, local_work = self.plan[layer], self._local(layer)
         mine = sharded or local_work or assignment.direction_owner == self.me
         grad = self.stepper.gradient(layer) if mine else None
@@ -340,6 +387,12 @@ class GatheredStep:
             sharded: Whether the layer is row-sharded.
         """
         weight = local(layer.weight)
+        if self._split(layer):
+            terms = [parts[r][0] for r in range(self.world) if parts[r][1]]
+            if terms:
+                direction = columns.finish_direction(self.stepper, layer, terms)
+                self.stepper.apply(layer, direction)
+            return
         if sharded:
             if not any(flag for _, flag in parts.values()):
                 return

@@ -8,10 +8,13 @@ the rule's `owner_state` (SINGD's momenta) always, every factor entry with
 `"grad_scale"`, the momentum buffers: the parameters are replicated and every rank
 applies every layer's update). `gather` brings the entries a rank does not keep to
 every rank in one `all_gather` (for `state_dict()` and for a new assignment);
-`drop` removes them again. Their shapes, dtypes and types come from the rule's
-`init_state` on the meta device. Without the factors, the statistics hooks collect
-the dense \(U_K = a^\top a\), \(U_C\) (`dense_statistics`), which the owners
-project themselves.
+`drop` removes them again. A layer whose \(K\) is split by column blocks
+(`columns`) keeps \(C\), \(m_C\) on every rank and only this rank's columns of
+\(K\), \(m_K\): `drop` cuts them out, `gather` puts them together. Their
+shapes, dtypes and types come from the rule's `init_state` on the meta device.
+Without the factors, the statistics hooks collect the dense
+\(U_K = a^\top a\), \(U_C\) (`dense_statistics`), which the owners project
+themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
+from singd_curvlinops.distributed.columns import block, is_split_key
 from singd_curvlinops.distributed.layout import (
     Item,
     buffer_dtype,
@@ -47,7 +51,7 @@ State = dict[Parameter, dict[str, Any]]
 
 
 def holder(plan: Mapping[Layer, Assignment], layer: Layer, owned: bool) -> int | None:
-    """Return the rank that keeps a layer's factors, if it is another one.
+    r"""Return the rank that keeps a layer's factors, if it is another one.
 
     Args:
         plan: The assignment (empty before the first step).
@@ -55,11 +59,14 @@ def holder(plan: Mapping[Layer, Assignment], layer: Layer, owned: bool) -> int |
         owned: Whether only owners keep factors.
 
     Returns:
-        The owner, or None if this rank keeps the factors.
+        The owner, None if this rank keeps the factors, or -1 if the layer's
+        \(K\) is split by column blocks over all ranks (no rank keeps all of it).
     """
     assignment = plan.get(layer)
     if not owned or assignment is None or world_size() == 1:
         return None
+    if assignment.columns:
+        return -1
     owner = assignment.owners[0]
     return None if owner == rank() else owner
 
@@ -81,6 +88,9 @@ def drop(
     me = rank()
     for layer, assignment in plan.items():
         entries = state[layer.weight]
+        if assignment.columns:
+            _keep_columns(state, layer, me)
+            continue
         dropped = {
             key
             for key in rule_keys(entries, rule, None)
@@ -89,6 +99,26 @@ def drop(
         }
         if dropped:
             state[layer.weight] = {k: v for k, v in entries.items() if k not in dropped}
+
+
+def _keep_columns(state: State, layer: Layer, me: int) -> None:
+    r"""Keep only this rank's columns of a split layer's \(K\), \(m_K\).
+
+    Args:
+        state: The optimizer's state (the layer gets a new dictionary).
+        layer: A layer split by column blocks.
+        me: This rank.
+    """
+    entries, d_K = state[layer.weight], layer.dims[0]
+    columns = block(d_K, me, world_size())
+    if columns.stop - columns.start == d_K:
+        return
+    state[layer.weight] = {
+        key: value[:, columns].clone()
+        if is_split_key(key) and value.shape[-1] == d_K
+        else value
+        for key, value in entries.items()
+    }
 
 
 def _templates(
@@ -136,7 +166,13 @@ def gather(
     layout: list[list[Item]] = [[] for _ in range(world_size())]
     for layer in layers:
         for key in sorted(templates[layer]):
-            if not kept_everywhere(key, rule, owned):
+            if plan[layer].columns:
+                if is_split_key(key):
+                    d_K = layer.dims[0]
+                    for r, share in enumerate(layout):
+                        width = _width(block(d_K, r, len(layout)))
+                        share.append(Item(layer, "columns", key, (d_K, width)))
+            elif not kept_everywhere(key, rule, owned):
                 shape = shape_of(templates[layer][key])
                 sender = source(key, plan[layer], rule)
                 layout[sender].append(Item(layer, "state", key, shape))
@@ -147,13 +183,33 @@ def gather(
     parts = [_as_tensor(state[item.layer.weight][item.key]) for item in layout[me]]
     with named_collective("Gathering the state from its owners (state_dict)"):
         buffers = all_gather_parts(parts, sizes, dtype, device)
+    blocks: dict[tuple[Layer, str], list[Tensor]] = {}
     for sender, items in enumerate(layout):
-        if sender == me:
-            continue
         chunks = buffers[sender].split([item.numel for item in items])
         for item, chunk in zip(items, chunks, strict=True):
-            template = templates[item.layer][item.key]
-            state[item.layer.weight][item.key] = _restore(template, chunk, device)
+            own = state[item.layer.weight][item.key] if sender == me else None
+            if item.kind == "columns":
+                blocks.setdefault((item.layer, item.key), []).append(
+                    chunk.view(item.shape) if own is None else own
+                )
+            elif own is None:
+                template = templates[item.layer][item.key]
+                state[item.layer.weight][item.key] = _restore(template, chunk, device)
+    for (layer, key), parts in blocks.items():
+        whole = torch.cat([part.to(parts[me].dtype) for part in parts], dim=1)
+        state[layer.weight][key] = _restore(templates[layer][key], whole, device)
+
+
+def _width(columns: slice) -> int:
+    """Return how many columns a block has.
+
+    Args:
+        columns: The block.
+
+    Returns:
+        Its width.
+    """
+    return columns.stop - columns.start
 
 
 def _as_tensor(value: Any) -> Tensor:

@@ -17,8 +17,8 @@ that depends on how the ranks share work lives here, not in the shell.
   collects the dense statistics
   \(U_K = a^\top a\), \(U_C\) (the hooks cannot project without the factors),
   the owners project them (\(\Pi(K^\top U_K K)\), two more products per side),
-  and layers are not split (SINGD's sides couple through traces of the
-  owner's statistics).
+  and layers are not split by sides; a SINGD layer whose dense \(K\) dominates
+  the factor state is split by column blocks over all ranks (`columns`).
 
 Under FSDP2 (`fully_shard`) every strategy preconditions the row shards of the
 gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
@@ -38,7 +38,12 @@ from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import ownership
-from singd_curvlinops.distributed.assignment import Assignment, assign, layer_cost
+from singd_curvlinops.distributed.assignment import (
+    Assignment,
+    assign,
+    layer_cost,
+    stored_entries,
+)
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
     check_same_step,
@@ -48,7 +53,7 @@ from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.exchange import StatisticsExchange, describe_layers
 from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorRule
+from singd_curvlinops.rules import FactorRule, SINGDRule
 from singd_curvlinops.structures import StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
@@ -281,6 +286,11 @@ class Shard(DistributionStrategy):
             ValueError: If this rank does not keep them.
         """
         owner = ownership.holder(self.plan, layer, self._owned)
+        if owner == -1:
+            raise ValueError(
+                f"Layer {layer.name!r}: under Shard(factors='owned') its K is split "
+                "by column blocks over all ranks; no rank holds its preconditioner."
+            )
         if owner is not None:
             raise ValueError(
                 f"Layer {layer.name!r}: under Shard(factors='owned') its factors "
@@ -334,14 +344,18 @@ class Shard(DistributionStrategy):
             Per layer, its assignment.
         """
         splits = rule.splits_sides and not self._owned
-        costs = []
+        costs, entries, columns = [], [], []
         for layer in layers:
             group = layer.options(groups[layer.group_index])
-            cost = layer_cost(rule.structures(group), layer.dims, group["T"], splits)
+            structures = rule.structures(group)
+            cost = layer_cost(structures, layer.dims, group["T"], splits)
             if self.share == "factors":  # every rank preconditions: balance updates
                 cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
             costs.append(cost)
-        return dict(zip(layers, assign(costs, world), strict=True))
+            entries.append(tuple(map(stored_entries, structures, layer.dims)))
+            dense_K = structures[0] == "dense"  # SINGD may split it by column blocks
+            columns.append(self._owned and type(rule) is SINGDRule and dense_K)
+        return dict(zip(layers, assign(costs, world, entries, columns), strict=True))
 
     def _check_step(
         self, layers: Sequence[Layer], state: dict[Parameter, dict[str, Any]]

@@ -1,0 +1,337 @@
+r"""A dense \(K\) split by column blocks over all ranks (`Shard(factors="owned")`).
+
+Rank \(r\) keeps the columns \(J_r\) (`assignment.column_blocks`) of a split
+layer's \(K\) and \(m_K\), \(K_r = K_{:,J_r}\); every rank keeps and updates the
+whole \(C\), \(m_C\) (the split layers are those whose \(K\) dominates the factor
+state). SINGD's update works column by column:
+
+\[
+(K^\top U_K K)_{:,J_r} = K^\top (U_K K_r), \qquad
+(K^\top K)_{:,J_r} = K^\top K_r, \qquad
+(K m_K)_{:,J_r} = K\, (m_K)_{:,J_r},
+\]
+
+so rank \(r\) forms its block of \(\hat m_K\), of \(m_K\) and of the new \(K\)
+from its own blocks and the whole old \(K\), which one `all_gather` of the blocks
+brings to every rank for the update (transient, not kept). The traces that
+couple the sides are sums over the blocks: \(\bar{\mathrm{tr}}(H_K) = \sum_r
+\sum_{j \in J_r} (K_r^\top U_K K_r)_{jj} / d_K\) and \(\bar{\mathrm{tr}}(K^\top K) =
+\sum_r \|K_r\|_F^2 / d_K\) travel with the blocks; \(\bar{\mathrm{tr}}(H_C)\),
+\(\bar{\mathrm{tr}}(C^\top C)\) are every rank's own. With `normalize_lr_cov` the
+largest entry of \(m_K\) is the largest of the blocks' (a second, small
+`all_gather`). The projection's symmetrisation \((M + M^\top)/2\) is left out: it
+only removes round-off.
+
+The preconditioned gradient is a sum over the blocks,
+\(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\): rank \(r\) sends its term
+\(Y_r\) (`partial_direction`) in the step's `all_gather`, every rank adds the
+terms in rank order and applies \(C C^\top\) (`finish_direction`), so every
+rank applies the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.distributed.assignment import column_blocks
+from singd_curvlinops.distributed.collectives import (
+    all_gather_parts,
+    named_collective,
+    rank,
+    world_size,
+)
+from singd_curvlinops.distributed.layout import buffer_dtype
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules.base import load_factor, store_factor
+from singd_curvlinops.rules.singd import resolved_alpha1
+from singd_curvlinops.update import (
+    FactorHyperparameters,
+    factor_step,
+    momentum_increment,
+    precondition_output_side,
+)
+
+SPLIT_PREFIXES = ("K", "m_K")  # the entries kept by column blocks
+
+
+def block(dim: int, me: int, world: int) -> slice:
+    """Return the columns rank `me` keeps of a `dim`-dimensional factor.
+
+    Args:
+        dim: The factor's dimension.
+        me: The rank.
+        world: The number of ranks.
+
+    Returns:
+        The slice of its columns.
+    """
+    return slice(*column_blocks(dim, world)[me])
+
+
+def is_split_key(key: str) -> bool:
+    r"""Return whether a state entry is kept by column blocks.
+
+    Args:
+        key: The entry's key, e.g. `"m_K.mat"`.
+
+    Returns:
+        True for \(K\)'s and \(m_K\)'s tensor.
+    """
+    return key.split(".", 1)[0] in SPLIT_PREFIXES
+
+
+def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
+    r"""Update the split layers' factors (a collective: every rank, same layers).
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        due: Per due split layer (same order on every rank), its statistics
+            (dense \(U_K\), \(U_C\), or None).
+    """
+    work = [(layer, stats) for layer, stats in due if stats is not None]
+    if not work:
+        return
+    world, layers = world_size(), [layer for layer, _ in work]
+    dtype = buffer_dtype(layers, stepper.groups)
+    device = layers[0].weight.device
+    parts, products = [], []
+    for layer, stats in work:
+        K_r = stepper.state[layer.weight]["K.mat"]
+        UK_r = stats.handed_over[0].to(K_r.dtype) @ K_r
+        d_K = layer.dims[0]
+        trace_H = ((K_r * UK_r).sum(0) / d_K).sum()
+        trace_KtK = (K_r.square().sum(0) / d_K).sum()
+        parts += [K_r.reshape(-1), trace_H.reshape(1), trace_KtK.reshape(1)]
+        products.append(UK_r)
+    sizes = [
+        sum(layer.dims[0] * (stop - start) + 2 for layer, (start, stop) in blocks)
+        for blocks in (_blocks(layers, r, world) for r in range(world))
+    ]
+    with named_collective("The all_gather of the column blocks of K"):
+        buffers = all_gather_parts(parts, sizes, dtype, device)
+    received = [_unpack(layers, buffers[r], r, world) for r in range(world)]
+    steps = [
+        _block_step(stepper, layer, stats, products[i], [b[i] for b in received])
+        for i, (layer, stats) in enumerate(work)
+    ]
+    rates = _step_sizes(stepper, layers, [m for m, *_ in steps], dtype, device)
+    for layer, (m_new, K, traces_K, side_C), lr in zip(
+        layers, steps, rates, strict=True
+    ):
+        state = stepper.state[layer.weight]
+        state["K.mat"].sub_((K @ m_new).mul_(lr))
+        state["m_K.mat"] = m_new
+        _update_C(state, stepper.group(layer), side_C, traces_K)
+        stepper.forget(layer, (0, 1))
+
+
+def _blocks(layers: Sequence[Layer], r: int, world: int) -> list[tuple[Layer, tuple]]:
+    """Return each layer with rank `r`'s column block.
+
+    Args:
+        layers: The split layers.
+        r: The rank.
+        world: The number of ranks.
+
+    Returns:
+        `(layer, (start, stop))` per layer.
+    """
+    return [(layer, column_blocks(layer.dims[0], world)[r]) for layer in layers]
+
+
+def _unpack(
+    layers: Sequence[Layer], flat: Tensor, r: int, world: int
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Split rank `r`'s gathered share into its blocks and partial traces.
+
+    Args:
+        layers: The split layers.
+        flat: The share.
+        r: The sending rank.
+        world: The number of ranks.
+
+    Returns:
+        Per layer, `(K_r, partial tr̄(H_K), partial tr̄(KᵀK))`.
+    """
+    out, offset = [], 0
+    for layer, (start, stop) in _blocks(layers, r, world):
+        d_K = layer.dims[0]
+        numel = d_K * (stop - start)
+        K_r = flat[offset : offset + numel].view(d_K, stop - start)
+        out.append((K_r, flat[offset + numel], flat[offset + numel + 1]))
+        offset += numel + 2
+    return out
+
+
+def _block_step(
+    stepper: Any, layer: Layer, stats: Any, UK_r: Tensor, blocks: list
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], tuple[Any, Any]]:
+    r"""Return this rank's new block of \(m_K\) and what the rest of the step needs.
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: The layer.
+        stats: Its statistics.
+        UK_r: \(U_K K_r\).
+        blocks: Per rank, `(K_r, partial traces...)` as gathered.
+
+    Returns:
+        `(m_K block, K, (tr̄(H_K), tr̄(KᵀK)), (H_C, Π(CᵀC)))`: the block
+        \(\alpha_1 (m_K)_{:,J_r} + s (\hat m_K)_{:,J_r}\), the whole old \(K\).
+    """
+    state, group = stepper.state[layer.weight], stepper.group(layer)
+    K_r = state["K.mat"]
+    K = torch.cat([b[0] for b in blocks], dim=1).to(K_r.dtype)
+    traces_K = tuple(
+        torch.stack([b[i] for b in blocks]).sum().to(K_r.dtype) for i in (1, 2)
+    )
+    C = load_factor(state, "C", group["structures"][1])
+    H_C, CtC = _projected_C(C, stats.handed_over[1])
+    hyper = _hyperparameters(state, group)
+    H_r, G_r = K.T @ UK_r, K.T @ K_r
+    if hyper.kfac_like:
+        increment = H_r.add_(G_r, alpha=hyper.damping)
+    else:
+        increment = H_r.mul_(H_C.average_trace()).add_(
+            G_r.mul_(CtC.average_trace() * hyper.damping)
+        )
+    start = block(layer.dims[0], rank(), world_size()).start
+    columns = torch.arange(K_r.shape[1], device=K_r.device)
+    increment[start + columns, columns] -= 1.0
+    increment.mul_(0.5 * (1.0 - hyper.alpha1) if hyper.normalize_lr_cov else 0.5)
+    if hyper.alpha1:
+        increment.add_(state["m_K.mat"], alpha=hyper.alpha1)
+    return increment, K, traces_K, (H_C, CtC)
+
+
+def _projected_C(C: Any, U_C: Tensor) -> tuple[Any, Any]:
+    r"""Return \(H_C = \Pi(C^\top U_C C)\) and \(\Pi(C^\top C)\) (as `SINGDRule`).
+
+    Args:
+        C: The factor.
+        U_C: The dense statistics.
+
+    Returns:
+        Both projections.
+    """
+    product = C.rmatmat(C.rmatmat(U_C.to(C.dtype)).T)
+    return C.from_dense((product + product.T) / 2), C.from_inner()
+
+
+def _hyperparameters(state: dict[str, Any], group: dict[str, Any]) -> Any:
+    """Return the layer's factor hyperparameters at this step (as `SINGDRule`).
+
+    Args:
+        state: The layer's state.
+        group: Its parameter group.
+
+    Returns:
+        `FactorHyperparameters`.
+    """
+    lr_cov = group["lr_cov"]
+    return FactorHyperparameters(
+        damping=group["damping"],
+        alpha1=resolved_alpha1(group),
+        lr_cov=lr_cov(state["step"]) if callable(lr_cov) else lr_cov,
+        kfac_like=group["kfac_like"],
+        normalize_lr_cov=group["normalize_lr_cov"],
+    )
+
+
+def _step_sizes(
+    stepper: Any,
+    layers: Sequence[Layer],
+    momenta: Sequence[Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[Any]:
+    r"""Return each layer's \(\beta_1\), normalised by the largest entry of \(m_K\).
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layers: The split layers.
+        momenta: This rank's blocks of their new \(m_K\).
+        dtype: The gather's dtype.
+        device: Its device.
+
+    Returns:
+        Per layer, \(\beta_1\) or \(\beta_1 / \max(1, \|m_K\|_{\max})\).
+    """
+    hypers = [
+        _hyperparameters(stepper.state[layer.weight], stepper.group(layer))
+        for layer in layers
+    ]
+    if not any(h.normalize_lr_cov for h in hypers):
+        return [h.lr_cov for h in hypers]
+    local = torch.stack([m.abs().max().to(dtype) for m in momenta])
+    world = world_size()
+    with named_collective("The all_gather of the largest entries of m_K"):
+        maxima = all_gather_parts([local], [len(layers)] * world, dtype, device)
+    largest = torch.stack(maxima).amax(0)
+    return [
+        h.lr_cov / largest[i].clamp(min=1.0).to(m.dtype)
+        if h.normalize_lr_cov
+        else h.lr_cov
+        for i, (h, m) in enumerate(zip(hypers, momenta, strict=True))
+    ]
+
+
+def _update_C(
+    state: dict[str, Any],
+    group: dict[str, Any],
+    side_C: tuple[Any, Any],
+    traces_K: tuple[Tensor, Tensor],
+) -> None:
+    r"""Update the whole \(C\) and \(m_C\) (every rank, identical numbers).
+
+    Args:
+        state: The layer's state.
+        group: Its parameter group.
+        side_C: \(H_C\), \(\Pi(C^\top C)\) (consumed).
+        traces_K: \(\bar{\mathrm{tr}}(H_K)\), \(\bar{\mathrm{tr}}(K^\top K)\).
+    """
+    name = group["structures"][1]
+    hyper = _hyperparameters(state, group)
+    increment = momentum_increment(
+        *side_C, trace_H_other=traces_K[0], trace_KtK_other=traces_K[1], hyper=hyper
+    )
+    C, m_C = load_factor(state, "C", name), load_factor(state, "m_C", name)
+    store_factor(state, "m_C", factor_step(C, m_C, increment, hyper))
+
+
+def partial_direction(stepper: Any, layer: Layer, grad: Tensor) -> Tensor:
+    r"""Return this rank's term \(Y_r = (\Gamma K_r) K_r^\top\).
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: The layer.
+        grad: \(\Gamma\), `[d_C, d_K]`.
+
+    Returns:
+        `[d_C, d_K]`, in \(K\)'s dtype.
+    """
+    K_r = stepper.state[layer.weight]["K.mat"]
+    return (grad.to(K_r.dtype) @ K_r) @ K_r.T
+
+
+def finish_direction(stepper: Any, layer: Layer, terms: Sequence[Tensor]) -> Tensor:
+    r"""Return \(\Delta = C C^\top \sum_r Y_r\), the terms added in rank order.
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: The layer.
+        terms: Per rank, its \(Y_r\).
+
+    Returns:
+        \(\Delta\) in the weight's dtype.
+    """
+    state, group = stepper.state[layer.weight], stepper.group(layer)
+    C = load_factor(state, "C", group["structures"][1])
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total.add_(term)
+    return precondition_output_side(total, C, overwrite=True).to(layer.weight.dtype)

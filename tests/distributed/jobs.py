@@ -229,9 +229,13 @@ def _bytes(results: dict[str, Any]) -> None:
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the float all-reduces and all-gathers `function` makes."""
-    originals = dist.all_reduce, dist.all_gather
-    recorded = {"all_reduce": [], "all_gather": []}
+    """Return the bytes of the float all-reduces, all-gathers and reduces made."""
+    originals = dist.all_reduce, dist.all_gather, dist.reduce
+    recorded = {"all_reduce": [], "all_gather": [], "reduce": []}
+
+    def reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorded["reduce"].append(tensor.numel() * tensor.element_size())
+        return originals[2](tensor, *args, **kwargs)
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if tensor.is_floating_point():
@@ -246,11 +250,11 @@ def _recorded(function: Any) -> dict[str, int]:
         )
         return originals[1](tensors, tensor, *args, **kwargs)
 
-    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    dist.all_reduce, dist.all_gather, dist.reduce = all_reduce, all_gather, reduce
     try:
         function()
     finally:
-        dist.all_reduce, dist.all_gather = originals
+        dist.all_reduce, dist.all_gather, dist.reduce = originals
     return recorded
 
 

@@ -8,6 +8,8 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 - `engine`: one step of a sharded strategy, `layout`: what its `all_gather`
   holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
   layers.
+- `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
+  owner.
 - `communication`: the bytes each of them sends.
 - `collectives`: the checks that turn misuse into errors on every rank.
 
@@ -26,11 +28,11 @@ from singd_curvlinops.distributed.exchange import (
     StatisticsExchange,
     all_reduce_statistics,
 )
+from singd_curvlinops.distributed.resolution import resolve
 from singd_curvlinops.distributed.strategy import (
     DistributionStrategy,
     Replicate,
     Shard,
-    resolve,
 )
 
 __all__ = [

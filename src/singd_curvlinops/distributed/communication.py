@@ -2,7 +2,9 @@ r"""The bytes an optimizer's collectives move per step, computed without running
 
 - **statistics**: the all-reduce of every update step: the stored entries of each
   layer's \(H_K\), \(H_C\) and an example count (`bytes_per_update`); dense
-  \(U_K\), \(U_C\) under `Shard(factors="owned")`.
+  \(U_K\), \(U_C\) under `Shard(factors="owned")`; under `Shard` with
+  replicated factors the entries are reduced to their owners instead, one
+  buffer per owner (`owner_statistics`), the counts in a small all-reduce.
 - **gather**: the `all_gather` of a sharded step (see `engine`): every rank
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Layers whose \(K\) is split by
@@ -41,10 +43,20 @@ def bytes_per_update(optimizer: Any) -> int:
         Size of the all-reduced buffer: every layer's stored entries of `H_K` and
         `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
-        \(d_C \times d_K\) sums, in at least float32.
+        \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
+        each side to its owner (`owner_statistics`) the same entries travel in
+        one buffer per owner, and 4 float64 numbers per layer in a small
+        all-reduce instead of the count.
     """
-    strategy, total = optimizer.distribution, 0
+    strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
+    # Shard's reduction to owners (`owner_statistics`): 4 float64 per layer
+    to_owners = (
+        isinstance(strategy, Shard)
+        and not dense
+        and not optimizer.rule.per_example
+        and not any(layer.twin is not None or layer.swapped for layer in layers)
+    )
     for layer in optimizer.layers:
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = ("dense", "dense") if dense else group["structures"]
@@ -53,7 +65,7 @@ def bytes_per_update(optimizer: Any) -> int:
             for name, dim in zip(structures, layer.dims, strict=True)
         )
         dtype = torch.promote_types(*layer.factor_dtypes(group))
-        total += (entries + 1) * dtype.itemsize
+        total += entries * dtype.itemsize + (32 if to_owners else dtype.itemsize)
         if optimizer.rule.per_example:  # EKFAC's second collective (exchange)
             sums = torch.promote_types(dtype, torch.float32)
             total += layer.dims[0] * layer.dims[1] * sums.itemsize

@@ -1,5 +1,8 @@
 r"""Data parallelism: one all-reduce of the statistics per factor update.
 
+(`Shard` reduces each side's statistics to its owner instead, with the same
+semantics: `owner_statistics`.)
+
 Semantics. Under `torch.distributed`, the gradients that reach `step` are averaged
 over the \(P\) processes (what `DistributedDataParallel` does, and what users do
 by hand without the wrapper), so SINGD optimises the average of the per-process
@@ -46,6 +49,7 @@ from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed.collectives import named_collective, world_size
+from singd_curvlinops.distributed.owner_statistics import Owners, reduce_to_owners
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorRule
@@ -156,7 +160,7 @@ def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
 
 
 class StatisticsExchange:
-    """Replaces the pending statistics of the due layers by those of all processes.
+    r"""Replaces the pending statistics of the due layers by those of all processes.
 
     Every process takes part for every due layer, with zero statistics where its
     hooks did not fire; layers without statistics on any process end up with none.
@@ -167,6 +171,9 @@ class StatisticsExchange:
         per_example: Whether the rule keeps per-example rows (EKFAC): their sums
             of squares are then all-reduced by the rule's update, in a second
             collective (`sum_over_processes`).
+        owners: Given the due layers, per layer the ranks that read its \(K\)
+            and \(C\) statistics (`Shard`: they are reduced there only, see
+            `owner_statistics`), or None: all-reduced to every rank.
     """
 
     def __init__(
@@ -175,10 +182,12 @@ class StatisticsExchange:
         grad_scale: Callable[[Layer], float],
         *,
         per_example: bool = False,
+        owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
     ):
         self._zeros = zeros
         self._grad_scale = grad_scale
         self._per_example = per_example
+        self._owners = owners
 
     def __call__(
         self, pending: dict[Layer, PendingStatistics], due: Sequence[Layer]
@@ -201,8 +210,12 @@ class StatisticsExchange:
                 if self._per_example:
                     record.examples = ExampleGradients()
             records.append(record)
-        totals = all_reduce_statistics(
-            [(record.H_K, record.H_C, record.num_examples) for record in records]
+        statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
+        owners = None if self._owners is None else self._owners(due)
+        totals = (
+            all_reduce_statistics(statistics)
+            if owners is None
+            else reduce_to_owners(statistics, owners)
         )
         for layer, record, total in zip(due, records, totals, strict=True):
             if total == 0:

@@ -8,7 +8,8 @@ that depends on how the ranks share work lives here, not in the shell.
   preconditions every layer; the only collective is the statistics all-reduce
   on update steps.
 - `Shard` (`"shard"`): each layer's factor work has an owner (or two, one per
-  side; see `assignment`), and one `all_gather` per step shares the results
+  side; see `assignment`), each side's statistics are reduced to its owner
+  (`owner_statistics`), and one `all_gather` per step shares the results
   (see `engine`). With `factors="replicated"` (the default) the owners also
   send their updated factors, so every rank keeps every factor (the statistics
   hooks need them); the momenta stay with their owner. `state_dict()` gathers
@@ -27,7 +28,6 @@ gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
@@ -52,6 +52,7 @@ from singd_curvlinops.distributed.collectives import (
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.exchange import StatisticsExchange, describe_layers
 from singd_curvlinops.distributed.fsdp import is_sharded
+from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, SINGDRule
 from singd_curvlinops.structures import StructuredMatrix
@@ -141,7 +142,14 @@ class DistributionStrategy:
             zeros,
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
+            owners=lambda due: self.statistics_owners(due, rule),
         )(pending, due)
+
+    def statistics_owners(
+        self, due: Sequence[Layer], rule: FactorRule
+    ) -> list[tuple[int, int]] | None:
+        """Return per due layer who reads its K, C statistics (None: all ranks)."""
+        return None
 
     def _configure(
         self,
@@ -357,6 +365,12 @@ class Shard(DistributionStrategy):
             columns.append(self._owned and type(rule) is SINGDRule and dense_K)
         return dict(zip(layers, assign(costs, world, entries, columns), strict=True))
 
+    def statistics_owners(
+        self, due: Sequence[Layer], rule: FactorRule
+    ) -> list[tuple[int, int]] | None:
+        """Return per due layer the owners of its K and C (`owner_statistics`)."""
+        return owner_ranks(self.plan, due, rule, owned=self._owned)
+
     def _check_step(
         self, layers: Sequence[Layer], state: dict[Parameter, dict[str, Any]]
     ) -> None:
@@ -421,32 +435,3 @@ class Shard(DistributionStrategy):
         """
         if self.plan and world_size() > 1:
             ownership.drop(state, self.plan, rule, owned=self._owned)
-
-
-def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:
-    """Return the strategy that `distribute` names, as a fresh object.
-
-    Args:
-        distribute: `"replicate"`, `"shard"` or a strategy object (copied).
-
-    Returns:
-        The strategy.
-
-    Raises:
-        ValueError: If `distribute` is another string.
-        TypeError: If it is neither a string nor a strategy.
-    """
-    if isinstance(distribute, DistributionStrategy):
-        return copy.deepcopy(distribute)
-    if not isinstance(distribute, str):
-        raise TypeError(
-            "distribute must be 'replicate', 'shard' or a DistributionStrategy "
-            f"(Replicate(), Shard(factors=...)), got {type(distribute).__name__}."
-        )
-    strategies = {"replicate": Replicate, "shard": Shard}
-    if distribute not in strategies:
-        raise ValueError(
-            f"distribute must be 'replicate' or 'shard' (or Shard(factors='owned') "
-            f"for only owners keeping factors), got {distribute!r}."
-        )
-    return strategies[distribute]()

@@ -1,0 +1,36 @@
+"""`resolve`: the distribution strategy that an optimizer's `distribute=` names."""
+
+from __future__ import annotations
+
+import copy
+
+from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate, Shard
+
+
+def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:
+    """Return the strategy that `distribute` names, as a fresh object.
+
+    Args:
+        distribute: `"replicate"`, `"shard"` or a strategy object (copied).
+
+    Returns:
+        The strategy.
+
+    Raises:
+        ValueError: If `distribute` is another string.
+        TypeError: If it is neither a string nor a strategy.
+    """
+    if isinstance(distribute, DistributionStrategy):
+        return copy.deepcopy(distribute)
+    if not isinstance(distribute, str):
+        raise TypeError(
+            "distribute must be 'replicate', 'shard' or a DistributionStrategy "
+            f"(Replicate(), Shard(factors=...)), got {type(distribute).__name__}."
+        )
+    strategies = {"replicate": Replicate, "shard": Shard}
+    if distribute not in strategies:
+        raise ValueError(
+            f"distribute must be 'replicate' or 'shard' (or Shard(factors='owned') "
+            f"for only owners keeping factors), got {distribute!r}."
+        )
+    return strategies[distribute]()

@@ -338,8 +338,10 @@ def preamble(args: Any) -> str:
         f"(and fastest–slowest) of {args.rounds} blocks of {args.steps_per_block} "
         f"steps of the slowest process, {args.warmup} warm-up steps, all settings "
         "interleaved. `factor state/rank`: the rule's entries (factors, momenta) "
-        "of the process that holds the most; `statistics`: the all-reduce of an "
-        "update step; `gathered`: the all_gather(s) of an update step and of "
+        "of the process that holds the most; `statistics`: the statistics "
+        "exchange of an update step (an all-reduce under replicate; under shard "
+        "each side's statistics reduced to its owner); `gathered`: the "
+        "all_gather(s) of an update step and of "
         "another step (what every process receives); `MiB/step`: all of it "
         "averaged over T steps, without DDP's gradient all-reduce."
     )

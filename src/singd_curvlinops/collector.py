@@ -20,7 +20,8 @@ What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
 weakly, and their `attachment.HookSet` removes them when it is dropped, when the
 optimizer removes them (`remove_hooks`) or when a later optimizer takes its layers
-over. A copied model gets inert hooks (see `hooks.ModuleHook`).
+over. A copied model gets inert hooks (see `hooks.ModuleHook`). A use without
+entries (an empty batch) contributes nothing.
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ class StatisticsCollector:
             plan: What to collect.
             grad_output: The gradient w.r.t. the use's output.
         """
-        if self.hooks.removed is not None:
-            return  # hooks removed since the forward pass
+        if self.hooks.removed is not None or not grad_output.numel():
+            return  # hooks removed since the forward pass, or an empty batch
         with torch.no_grad():
             site = entry.site
             dtype_a, dtype_g = plan.dtypes[::-1] if site.transposed else plan.dtypes

@@ -37,7 +37,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.layers import Layer, supported_layers
-from singd_curvlinops.layers.layer_set import LayerSet
+from singd_curvlinops.layers.layer_set import LayerSet, empty_note
 from singd_curvlinops.lifecycle import Lifecycle
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
@@ -110,7 +110,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
         if not self._layers.candidates:
             raise ValueError(
                 f"model has no supported layer: {type(self).__name__} preconditions "
-                f"{supported_layers()} layers."
+                f"{supported_layers()} layers{empty_note(self._layers.empty, None)}."
             )
         self._distribution = distributed.resolve(distribute)
         if rule.per_example and isinstance(self._distribution, distributed.Shard):
@@ -135,7 +135,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             raise ValueError(
                 "The given parameters do not belong to a supported layer "
                 f"({supported_layers()}) of the model: there is nothing to "
-                "precondition."
+                f"precondition{empty_note(self._layers.empty, None)}."
             )
 
     # ------------------------------------------------------------ read-only

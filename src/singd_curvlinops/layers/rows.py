@@ -66,7 +66,8 @@ def layer_input_rows(
         A tensor `[rows, d_K]` that the rule may overwrite, or `SparseRows`.
     """
     if site.bias_column == "only":  # aᵀa = 1: the mean of the constant column
-        return torch.full((num_rows, 1), num_rows**-0.5, dtype=dtype, device=device)
+        value = num_rows**-0.5 if num_rows else 0.0
+        return torch.full((num_rows, 1), value, dtype=dtype, device=device)
     a = site.adapter.use_input_rows(site.module, use, kfac_approx)
     if isinstance(a, SparseRows):
         return a.to(dtype)

@@ -226,6 +226,8 @@ def test_rebuilding_on_the_same_model_takes_the_hooks_over() -> None:
         )
         with pytest.raises(RuntimeError, match=message):
             old.step()
+        old.remove_hooks()  # takes nothing off the newest optimizer
+        assert _hooks(model) == 2
 
 
 def test_an_optimizer_that_took_over_trains_like_a_fresh_one() -> None:

@@ -110,7 +110,7 @@ def kfac_factors(kfac: Any) -> dict[Parameter, tuple[Tensor, Tensor]]:
     if kfac._separate_weight_and_bias:
         raise ValueError(
             "The KFACLinearOperator must be built with separate_weight_and_bias=False "
-            "(SINGD's input factor includes the bias column)."
+            "(the optimizers' input factor includes the bias column)."
         )
     if not kfac._input_covariances or not kfac._gradient_covariances:
         kfac.compute_kronecker_factors()

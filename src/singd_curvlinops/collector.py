@@ -18,8 +18,10 @@ update turns into sums of squares (scaled like \(H_C\)).
 
 What to collect is asked of the optimizer per forward call (`CollectionPlan`);
 the collector knows neither rules nor layer types. The hooks hold the collector
-weakly: a dropped optimizer stops collecting. A copied model gets inert hooks
-(see `hooks.ModuleHook`).
+weakly, and their `attachment.HookSet` removes them when it is dropped, when the
+optimizer removes them (`remove_hooks`) or when a later optimizer takes its layers
+over. A copied model gets inert hooks (see `hooks.ModuleHook`). A use without
+entries (an empty batch) contributes nothing.
 """
 
 from __future__ import annotations
@@ -27,20 +29,20 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
-from torch.utils.hooks import RemovableHandle
 
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
+from singd_curvlinops.attachment import HookSet
 from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
 from singd_curvlinops.layers import Layer, Site, Use
-from singd_curvlinops.layers.rows import layer_gradient_rows, layer_input_rows
+from singd_curvlinops.layers.rows import use_rows
 from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
@@ -97,14 +99,17 @@ class StatisticsCollector:
             of a layer's forward call, or None if the layer collects nothing in
             this pass. It is held weakly: the optimizer is freed when it is
             dropped, and its collector stops collecting.
+        owner: The optimizer's class name, for messages.
     """
 
-    def __init__(self, plan: Callable[[Layer], CollectionPlan | None]) -> None:
+    def __init__(
+        self, plan: Callable[[Layer], CollectionPlan | None], owner: str = "SINGD"
+    ) -> None:
         self._plan = weakref.WeakMethod(plan)
         self._pending: dict[Layer, PendingStatistics] = {}
         self._handed_over: dict[Layer, tuple[Tensor, Tensor]] = {}
         self._entries: dict[Module, list[_Entry]] = {}
-        self._handles: dict[Module, list[RemovableHandle]] = {}
+        self.hooks = HookSet(owner)
         self._before: dict[Module, Any] = {}
         self._layers: list[Layer] = []
         self._warned: set[str] = set()
@@ -120,6 +125,9 @@ class StatisticsCollector:
     def attach(self, layer: Layer) -> None:
         """Hook the modules of a layer's sites (one pair of hooks per module).
 
+        Another optimizer's hooks on these modules are removed
+        (`attachment.HookSet.hook`).
+
         Args:
             layer: The layer.
         """
@@ -129,23 +137,30 @@ class StatisticsCollector:
             module = site.module
             if module not in self._entries:
                 self._entries[module] = []
-                hook = ModuleHook(self)
-                handles = [module.register_forward_hook(hook, with_kwargs=True)]
+                register = [
+                    partial(
+                        module.register_forward_hook, ModuleHook(self), with_kwargs=True
+                    )
+                ]
                 if site.adapter.needs_before_forward:
-                    handles.append(
-                        module.register_forward_pre_hook(
-                            PreHook(self), with_kwargs=True
+                    register.append(
+                        partial(
+                            module.register_forward_pre_hook,
+                            PreHook(self),
+                            with_kwargs=True,
                         )
                     )
-                self._handles[module] = handles
+                self.hooks.hook(module, layer.name, *register)
             self._entries[module].append(_Entry(layer, site, key))
 
-    def detach(self) -> None:
-        """Remove every hook of this collector from the model."""
-        for handles in self._handles.values():
-            for handle in handles:
-                handle.remove()
-        self._handles.clear()
+    def remove_hooks(self, reason: str) -> None:
+        """Remove every hook of this collector from the model; drop its statistics.
+
+        Args:
+            reason: Why, for the message of a later `step`.
+        """
+        self.hooks.remove(reason)
+        self.clear()
 
     def _active(self, module: Module) -> list[tuple[_Entry, CollectionPlan]]:
         """Return the entries of a module's call that collect, with their plans.
@@ -206,10 +221,14 @@ class StatisticsCollector:
         adapter = active[0][0].site.adapter
         uses, replacement = adapter.forward_uses(module, args, kwargs, output, before)
         for use in uses:
+            # the hook must not hold its own tensor: autograd keeps tensor hooks
+            # in C++, where the garbage collector cannot see such a cycle (it
+            # would keep every update step's activations, and the collector)
+            record = replace(use, output=None)
             for entry, plan in active:
                 if entry.site.slot.name == use.slot:
                     use.output.register_hook(
-                        partial(self._accumulate, entry, use, plan)
+                        partial(self._accumulate, entry, record, plan)
                     )
         return replacement
 
@@ -225,6 +244,8 @@ class StatisticsCollector:
             plan: What to collect.
             grad_output: The gradient w.r.t. the use's output.
         """
+        if self.hooks.removed is not None or not grad_output.numel():
+            return  # hooks removed since the forward pass, or an empty batch
         with torch.no_grad():
             site = entry.site
             dtype_a, dtype_g = plan.dtypes[::-1] if site.transposed else plan.dtypes
@@ -232,7 +253,16 @@ class StatisticsCollector:
                 grad_output = grad_output.unsqueeze(0)
             elif use.batch_dim:
                 grad_output = grad_output.movedim(use.batch_dim, 0)
-            rows = partial(_use_rows, entry, use, grad_output, plan, (dtype_a, dtype_g))
+            rows = partial(
+                use_rows,
+                entry.layer,
+                site,
+                use,
+                grad_output,
+                loss_average=plan.loss_average,
+                grad_scale=plan.grad_scale,
+                dtypes=(dtype_a, dtype_g),
+            )
             a, g = rows(plan.kfac_approx)
             project = plan.project_transposed if site.transposed else plan.project
             H_K, H_C = project(a, g)
@@ -335,10 +365,12 @@ class StatisticsCollector:
             if layer.name not in self._warned:
                 self._warned.add(layer.name)
                 warn(
-                    f"Layer {layer.name!r} received no statistics (its forward hook "
-                    "did not run, e.g. because it is called functionally); its "
-                    "parameters are updated with the current factors until "
-                    "statistics arrive."
+                    f"{self.hooks.owner}: layer {layer.name!r} received no "
+                    "statistics for its factor update (no backward pass with "
+                    "examples reached it since the last one: it was called "
+                    "functionally or under torch.no_grad(), or only with empty "
+                    "batches); its factors are kept and its parameters updated with "
+                    "them until statistics arrive."
                 )
             return None
         return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
@@ -398,7 +430,7 @@ class StatisticsCollector:
         """
         keys = dict(layers)
         keys.update({k.twin: v.twin for k, v in layers.items() if k.twin is not None})
-        twin = StatisticsCollector(plan)
+        twin = StatisticsCollector(plan, self.hooks.owner)
         twin._pending = {
             keys[k]: copy.deepcopy(v, memo) for k, v in self._pending.items()
         }
@@ -406,7 +438,7 @@ class StatisticsCollector:
             keys[k]: copy.deepcopy(v, memo) for k, v in self._handed_over.items()
         }
         twin._warned = set(self._warned)
-        for module, handles in self._handles.items():
+        for module, handles in self.hooks.handles.items():
             copied = memo.get(id(module))
             for handle in handles:
                 if copied is not None:
@@ -414,36 +446,3 @@ class StatisticsCollector:
         for layer in self._layers:
             twin.attach(layers[layer])
         return twin
-
-
-def _use_rows(
-    entry: _Entry,
-    use: Use,
-    grad_output: Tensor,
-    plan: CollectionPlan,
-    dtypes: tuple[torch.dtype, torch.dtype],
-    kfac_approx: str,
-) -> tuple[Tensor, Tensor]:
-    r"""Return one use's rows \(a\), \(\tilde g\) in the layer's layout and dtypes.
-
-    Args:
-        entry: The layer and site.
-        use: The use.
-        grad_output: The gradient w.r.t. the use's output, batch first.
-        plan: What is collected (loss average, expected gradient scale).
-        dtypes: Dtypes of the input and output rows.
-        kfac_approx: `"expand"` or `"reduce"`.
-
-    Returns:
-        The input rows (a fresh buffer) and the output-gradient rows, divided by
-        the expected gradient scale.
-    """
-    site = entry.site
-    g = site.adapter.use_gradient_rows(
-        site.module, use, grad_output, kfac_approx, plan.loss_average
-    )
-    g = layer_gradient_rows(g.to(dtypes[1]), use, entry.layer, site)
-    if plan.grad_scale != 1.0:
-        g = g / plan.grad_scale
-    a = layer_input_rows(site, use, g.shape[0], kfac_approx, dtypes[0])
-    return a, g

@@ -119,6 +119,8 @@ class PendingStatistics:
             examples: Its number of examples.
             pass_id: Its backward pass.
         """
+        if not rows:
+            return  # an empty use (no rows, zero H_C) adds nothing
         self.H_C.add_(H_C)
         if pass_id is None or pass_id != self.pass_id or self.pass_H_K is None:
             self.close()

@@ -76,6 +76,8 @@ class ExampleGradients:
             num_examples: \(N_b\).
             pass_id: The use's backward pass (None: unknown, never joined).
         """
+        if not num_examples or not a.shape[0]:
+            return  # an empty batch has no per-example gradients
         positions = a.shape[0] // num_examples
         a = a.unflatten(0, (num_examples, positions))
         g = g.unflatten(0, (num_examples, positions))

@@ -82,7 +82,7 @@ class Registration:
             p for p in unowned if self.param_groups[batch[p]]["fallback"] is None
         ]
         if refused:
-            raise ValueError(unowned_message(refused))
+            raise ValueError(unowned_message(refused, self._layers))
         self._layers.keep(layers)
         self._registered = len(self.param_groups)
         for layer in layers:

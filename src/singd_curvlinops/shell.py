@@ -37,13 +37,14 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.layers import Layer, supported_layers
-from singd_curvlinops.layers.layer_set import LayerSet
+from singd_curvlinops.layers.layer_set import LayerSet, empty_note
+from singd_curvlinops.lifecycle import Lifecycle
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
 
 
-class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
+class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
     """Kronecker-factored preconditioning of a model's layers (the shared shell).
 
     Use its front doors `SINGD` and `KFAC`; the shell never knows which rule or
@@ -109,7 +110,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         if not self._layers.candidates:
             raise ValueError(
                 f"model has no supported layer: {type(self).__name__} preconditions "
-                f"{supported_layers()} layers."
+                f"{supported_layers()} layers{empty_note(self._layers.empty, None)}."
             )
         self._distribution = distributed.resolve(distribute)
         if rule.per_example and isinstance(self._distribution, distributed.Shard):
@@ -117,7 +118,9 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
                 f"distribute={distribute!r}: {type(self).__name__} needs every "
                 "rank's rows in each factor update; use distribute='replicate'."
             )
-        self._collector = StatisticsCollector(self._collection_plan)
+        self._collector = StatisticsCollector(
+            self._collection_plan, type(self).__name__
+        )
         self._records = PreconditionerCache(self)
         self._fallback: set[Parameter] = set()
         self._init_grad_scale = float(init_grad_scale)
@@ -132,7 +135,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
             raise ValueError(
                 "The given parameters do not belong to a supported layer "
                 f"({supported_layers()}) of the model: there is nothing to "
-                "precondition."
+                f"precondition{empty_note(self._layers.empty, None)}."
             )
 
     # ------------------------------------------------------------ read-only
@@ -269,6 +272,10 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Update factors (every `T` steps) and parameters.
 
+        Without gradients (no backward pass) nothing changes and a warning says
+        so; after `remove_hooks()`, or once a later optimizer on the same layers
+        has taken the hooks over, a `RuntimeError` says so.
+
         Args:
             closure: Optional function that recomputes the loss (forward and
                 backward); evaluated with gradients enabled before the update.
@@ -276,6 +283,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        self._collector.hooks.check()
         loss = None
         if closure is not None:
             self._closure_without_scaler = getattr(self, "grad_scale", None) is None
@@ -284,6 +292,9 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
                     loss = closure()
             finally:
                 self._closure_without_scaler = False
+        if not self._has_gradients():  # nothing changes (see `lifecycle`)
+            self._step_without_gradients()
+            return loss
         layers = self._layers.active(self.param_groups)
         fallback = list(self._fallback_params(self.param_groups))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler

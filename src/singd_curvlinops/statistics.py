@@ -182,16 +182,17 @@ def input_rows(x: Tensor, kfac_approx: str, *, bias: bool) -> Tensor:
 
     Returns:
         Tensor `[rows, d_K]`, normalised by \(\sqrt{N S}\) (expand) or
-        \(\sqrt{N}\) (reduce) for a batch of \(N\) examples; a fresh buffer that
-        the caller may overwrite. For a feature-major `x` (expand), the transposed
-        view of a contiguous `[d_K, rows]` buffer.
+        \(\sqrt{N}\) (reduce) for a batch of \(N\) examples (no rows for an
+        empty batch); a fresh buffer that the caller may overwrite. For a
+        feature-major `x` (expand), the transposed view of a contiguous
+        `[d_K, rows]` buffer.
     """
     batch_size = x.shape[0]
     if kfac_approx == KFACType.EXPAND:
-        scale = (batch_size * x.shape[1:-1].numel()) ** -0.5
+        scale = _row_scale(batch_size * x.shape[1:-1].numel())
     else:
         x = _reduced_rows(x, "mean")
-        scale = batch_size**-0.5
+        scale = _row_scale(batch_size)
     # Scale into a preallocated buffer with the bias column: one pass over x,
     # without flattening copies or a concatenation. Its layout follows x's, so a
     # feature-major x gives a feature-major buffer, returned as its transpose.
@@ -205,6 +206,18 @@ def input_rows(x: Tensor, kfac_approx: str, *, bias: bool) -> Tensor:
     torch.mul(x.movedim(-1, 0), scale, out=a_T[:d_in])
     a_T[d_in:] = scale
     return a_T.flatten(1).T
+
+
+def _row_scale(count: int) -> float:
+    r"""Return \(1 / \sqrt{\text{count}}\), the normalisation of `count` rows.
+
+    Args:
+        count: Number of rows the normalisation refers to.
+
+    Returns:
+        The scale; 0 for no rows (an empty batch has no rows to scale).
+    """
+    return count**-0.5 if count else 0.0
 
 
 def gradient_rows(g: Tensor, kfac_approx: str, loss_average: LossAverage) -> Tensor:

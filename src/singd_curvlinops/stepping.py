@@ -12,6 +12,7 @@ this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -248,11 +249,13 @@ class PreconditionerCache:
     whole layer for both. Rules that cannot split build one record per layer.
 
     Args:
-        optimizer: The optimizer shell (its rule, state, groups and strategy).
+        optimizer: The optimizer shell (its rule, state, groups and strategy);
+            held weakly, so that a dropped optimizer is freed without waiting for
+            the cycle collector (and its hooks come off at once).
     """
 
     def __init__(self, optimizer: Any) -> None:
-        self._optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
         self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
 
     def __call__(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
@@ -265,7 +268,7 @@ class PreconditionerCache:
         Returns:
             The rule's record (cached).
         """
-        optimizer = self._optimizer
+        optimizer = self._optimizer()
         splits = optimizer.rule.splits_sides
         sides = sides if splits else (0, 1)
         records = self._records.setdefault(layer, {})

@@ -100,3 +100,45 @@ def test_lightning_trains_and_resumes_with_the_same_losses(tmp_path: Path) -> No
     assert resumed.losses == full.losses[16:]
     for p, q in zip(resumed.parameters(), full.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+class _Recording(TokenClassifier):
+    """Keeps every optimizer that Lightning asks for (as a notebook's history would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built: list[SINGD] = []
+
+    def configure_optimizers(self):
+        self.built.append(super().configure_optimizers())
+        return self.built[-1]
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
+    )
+
+
+def test_lr_find_then_fit_leaves_one_optimizer_collecting(tmp_path: Path) -> None:
+    """`Tuner.lr_find` builds an optimizer, `fit` another on the same model: the
+    later one takes the hooks over, the earlier one collects nothing more."""
+    from lightning.pytorch.tuner import Tuner
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    model = _Recording()
+    finder = Tuner(_trainer(tmp_path, 1)).lr_find(
+        model, train_dataloaders=_loader(), num_training=6, update_attr=False
+    )
+    assert finder is not None and len(finder.results["lr"]) > 0
+    after_lr_find = _hook_count(model)
+    assert after_lr_find == 4  # one optimizer: forward hooks + attention's pre-hook
+    model.losses.clear()
+    _trainer(tmp_path / "fit", 1).fit(model, _loader())
+    assert len(model.built) == 2 and _hook_count(model) == after_lr_find
+    tuned, fitted = model.built
+    assert not tuned._collector.pending  # collected nothing during fit
+    assert fitted.state[model.head.weight]["step"] == 8 // 2
+    assert all(torch.isfinite(torch.tensor(model.losses)))
+    with pytest.raises(RuntimeError, match="took over layer"):
+        tuned.step()

@@ -94,7 +94,11 @@ def test_hooks_do_not_recompile_the_model_per_step() -> None:
 def test_fullgraph_compilation_reports_the_hook_graph_break() -> None:
     torch._dynamo.reset()
     net = model()
-    SINGD(net)
+    optimizer = SINGD(net)  # held: a dropped optimizer takes its hooks off
     compiled = torch.compile(net, fullgraph=True)
+    x = torch.randn(2, 2, 8, 8, dtype=torch.float64)
     with pytest.raises(Exception, match="torch.compiler.disable"):
-        compiled(torch.randn(2, 2, 8, 8, dtype=torch.float64))
+        compiled(x)
+    optimizer.remove_hooks()  # without the hooks the model is one graph
+    torch._dynamo.reset()
+    assert torch.compile(net, fullgraph=True)(x).shape[0] == 2

@@ -111,8 +111,9 @@ def check_same_configuration(description: str, device: torch.device) -> None:
         low, high = _agree(checksum, device)
     if low != checksum or high != checksum:
         raise RuntimeError(
-            "SINGD's processes disagree on the layers, structures or options whose "
-            f"statistics they exchange (rank {rank()} has: {description}). "
+            "The processes' optimizers disagree on the layers, structures or "
+            f"options whose statistics they exchange (rank {rank()} has: "
+            f"{description}). "
             "Build the same model and optimizer on every rank."
         )
 

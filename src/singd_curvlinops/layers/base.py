@@ -70,7 +70,9 @@ class Use:
     Attributes:
         slot: The slot's name.
         x: Its input, batch (example) dimension first, in the adapter's layout.
-        output: The tensor whose gradient is the slot's output gradient.
+        output: The tensor whose gradient is the slot's output gradient (None
+            in the copy that its gradient hook holds, which must not reference
+            the tensor itself).
         out_rows: Which of the slot's output features `output` holds (None: all),
             e.g. the query rows of a packed attention projection.
         batch_dim: The batch dimension of `output` (and of its gradient).
@@ -78,7 +80,7 @@ class Use:
 
     slot: str
     x: Any
-    output: Tensor
+    output: Tensor | None
     out_rows: slice | None = None
     batch_dim: int = 0
 

@@ -136,14 +136,14 @@ class EmbeddingAdapter(LayerAdapter):
         Returns:
             The rows; the values have the dtype of the table.
         """
-        batch, shared = x.shape[0], x[0].numel()
+        batch, shared = x.shape[0], x.shape[1:].numel()
         vocabulary = module.weight.shape[0]
         tokens = x.reshape(batch, shared)
         keep = None if module.padding_idx is None else tokens != module.padding_idx
         dtype = module.weight.dtype
         if kfac_approx == KFACType.EXPAND:
             columns = tokens.reshape(-1) if keep is None else tokens[keep]
-            scale = (batch * shared) ** -0.5
+            scale = (batch * shared) ** -0.5 if batch * shared else 0.0
             values = columns.new_full(columns.shape, scale, dtype=dtype)
             return SparseRows(columns, values, vocabulary, batch * shared)
         example = tokens.new_tensor(range(batch)).unsqueeze(1).expand_as(tokens)

@@ -16,7 +16,7 @@ from torch.nn import Module, Parameter
 
 from singd_curvlinops.layers.layer import Layer
 from singd_curvlinops.layers.registry import supported_layers
-from singd_curvlinops.layers.resolve import find_sites, resolve
+from singd_curvlinops.layers.resolve import SiteCandidate, find_sites, resolve
 
 
 class LayerSet:
@@ -28,16 +28,20 @@ class LayerSet:
     Attributes:
         model: The network.
         candidates: Its supported slots with a trainable parameter, in module
-            order (see `resolve.find_sites`).
+            order (see `resolve.find_sites`), except empty ones.
+        empty: The supported slots with a trainable parameter without entries
+            (`Linear(3, 0)`, `Conv2d(0, 8, 3)`, `Embedding(10, 0)`): their
+            Kronecker factors would have no rows or columns, so they are not
+            preconditioned; their parameters are like those of unsupported layers.
     """
 
     def __init__(self, model: Module) -> None:
         self.model = model
-        self.candidates = [
-            site
-            for site in find_sites(model)
-            if any(p.requires_grad for p in site.params)
+        trained = [
+            s for s in find_sites(model) if any(p.requires_grad for p in s.params)
         ]
+        self.empty = [s for s in trained if any(not p.numel() for p in s.params)]
+        self.candidates = [s for s in trained if s not in self.empty]
         self._names = {p: name for name, p in model.named_parameters()}
         self._layers: dict[Parameter, Layer] = {}
         self._owned: dict[Parameter, Layer] = {}
@@ -176,18 +180,43 @@ class LayerSet:
         return matches[0]
 
 
-def unowned_message(params: Sequence[Parameter]) -> str:
+def unowned_message(params: Sequence[Parameter], layers: LayerSet) -> str:
     """Return the message for parameters that no supported layer owns.
 
     Args:
         params: The parameters.
+        layers: The model's layer set (for empty layers among their owners).
 
     Returns:
         A sentence naming their shapes and the supported layer types.
     """
     return (
         f"{len(params)} parameter(s) of shapes {[tuple(p.shape) for p in params]} "
-        f"do not belong to a supported layer ({supported_layers()}) of the model; "
-        "train them with fallback='adamw' or 'sgd' in their parameter group, or "
-        "with another optimizer."
+        f"do not belong to a supported layer ({supported_layers()}) of the model"
+        f"{empty_note(layers.empty, params)}; train them with fallback='adamw' or "
+        "'sgd' in their parameter group, or with another optimizer."
     )
+
+
+def empty_note(
+    empty: Sequence[SiteCandidate], params: Sequence[Parameter] | None
+) -> str:
+    """Return a note naming the empty layers (of `params`, if given), or `""`.
+
+    Args:
+        empty: `LayerSet.empty`.
+        params: Restrict the note to the layers of these parameters (None: all).
+
+    Returns:
+        E.g. `" (layers whose weight has no entries are not preconditioned:
+        ['fc'])"`.
+    """
+    ids = None if params is None else {id(p) for p in params}
+    names = [
+        site.name
+        for site in empty
+        if ids is None or any(id(p) in ids for p in site.params)
+    ]
+    if not names:
+        return ""
+    return f" (layers whose weight has no entries are not preconditioned: {names})"

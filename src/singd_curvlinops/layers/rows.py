@@ -4,7 +4,7 @@ An adapter gives the rows of one application of a slot (`LayerAdapter.use_input_
 `use_gradient_rows`) with the slot's own bias column. The layer may differ: its bias
 may be frozen or another slot's (`Site.bias_column`), a use may cover only some of
 its output rows (`Use.out_rows`), and a transposed site feeds the layer's twin,
-whose output side is the layer's input side.
+whose output side is the layer's input side. `use_rows` puts both together.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from singd_curvlinops.layers.base import Use
 from singd_curvlinops.layers.layer import Layer, Site
-from singd_curvlinops.statistics import SparseRows
+from singd_curvlinops.statistics import LossAverage, SparseRows
 
 
 def layer_gradient_rows(g: Tensor, use: Use, layer: Layer, site: Site) -> Tensor:
@@ -45,7 +45,12 @@ def layer_gradient_rows(g: Tensor, use: Use, layer: Layer, site: Site) -> Tensor
 
 
 def layer_input_rows(
-    site: Site, use: Use, num_rows: int, kfac_approx: str, dtype: torch.dtype
+    site: Site,
+    use: Use,
+    num_rows: int,
+    kfac_approx: str,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Any:
     r"""Return a use's input rows \(a\) in its layer's layout (see `BiasColumn`).
 
@@ -55,13 +60,14 @@ def layer_input_rows(
         num_rows: The number of gradient rows (for a bias-only layer).
         kfac_approx: `"expand"` or `"reduce"`.
         dtype: The rows' dtype.
+        device: The rows' device (for a bias-only layer).
 
     Returns:
         A tensor `[rows, d_K]` that the rule may overwrite, or `SparseRows`.
     """
     if site.bias_column == "only":  # aᵀa = 1: the mean of the constant column
-        device = use.output.device
-        return torch.full((num_rows, 1), num_rows**-0.5, dtype=dtype, device=device)
+        value = num_rows**-0.5 if num_rows else 0.0
+        return torch.full((num_rows, 1), value, dtype=dtype, device=device)
     a = site.adapter.use_input_rows(site.module, use, kfac_approx)
     if isinstance(a, SparseRows):
         return a.to(dtype)
@@ -73,3 +79,40 @@ def layer_input_rows(
     elif site.bias_column == "drop":
         return a[:, :-1]
     return a
+
+
+def use_rows(
+    layer: Layer,
+    site: Site,
+    use: Use,
+    grad_output: Tensor,
+    kfac_approx: str,
+    *,
+    loss_average: LossAverage,
+    grad_scale: float,
+    dtypes: tuple[torch.dtype, torch.dtype],
+) -> tuple[Any, Tensor]:
+    r"""Return one use's rows \(a\), \(\tilde g\) in the layer's layout and dtypes.
+
+    Args:
+        layer: The layer.
+        site: The use's site.
+        use: The use.
+        grad_output: The gradient w.r.t. the use's output, batch first.
+        kfac_approx: `"expand"` or `"reduce"`.
+        loss_average: `None`, `"batch"` or `"batch+sequence"`.
+        grad_scale: The gradient scale expected in this pass (divided out).
+        dtypes: Dtypes of the input and output rows.
+
+    Returns:
+        The input rows (a fresh buffer, or `SparseRows`) and the output-gradient
+        rows, divided by `grad_scale`.
+    """
+    g = site.adapter.use_gradient_rows(
+        site.module, use, grad_output, kfac_approx, loss_average
+    )
+    g = layer_gradient_rows(g.to(dtypes[1]), use, layer, site)
+    if grad_scale != 1.0:
+        g = g / grad_scale
+    a = layer_input_rows(site, use, g.shape[0], kfac_approx, dtypes[0], g.device)
+    return a, g

@@ -131,3 +131,77 @@ def test_uses_of_one_pass_join_into_one_gradient_per_example() -> None:
         separate.add(a.flatten(0, 1), g.flatten(0, 1), num, pass_id=None)
     apart = separate.squared_projections(None, None, dims=(d_K, d_C), device=CPU)
     assert not torch.allclose(apart, expected)
+
+
+def one_hot_rows(tokens: Tensor, vocabulary: int, padding_idx: int | None):
+    """The embedding adapter's sparse `"expand"` rows and the same rows densely."""
+    from singd_curvlinops.layers import EmbeddingAdapter
+
+    embedding = torch.nn.Embedding(vocabulary, 2, padding_idx=padding_idx).double()
+    sparse = EmbeddingAdapter().input_rows(embedding, tokens, "expand")
+    dense = torch.nn.functional.one_hot(tokens.reshape(-1), vocabulary).double()
+    if padding_idx is not None:
+        dense[:, padding_idx] = 0.0  # the padding row gets no gradient
+    return sparse, dense / tokens.numel() ** 0.5
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_one_hot_rows_equal_their_dense_rows(padding_idx: int | None) -> None:
+    """Sparse rows (an embedding's) give Σ of the same rows stored densely, with
+    micro-batches, two uses of one pass (joined) and repeated tokens."""
+    generator = torch.Generator().manual_seed(5)
+    vocabulary, d_C = 6, 3
+    Q_C = orthogonal(d_C, generator)
+    sparse_record, dense_record = ExampleGradients(), ExampleGradients()
+    for pass_id, num in ((0, 4), (0, 4), (1, 3)):  # two uses in pass 0
+        tokens = torch.randint(0, vocabulary, (num, 5), generator=generator)
+        tokens[0, :2] = 2  # a padding token (when there is one), repeated
+        g = torch.randn(num * 5, d_C, generator=generator, dtype=torch.float64)
+        sparse, dense = one_hot_rows(tokens, vocabulary, padding_idx)
+        sparse_record.add(sparse, g, num, pass_id)
+        dense_record.add(dense, g, num, pass_id)
+    dims = (vocabulary, d_C)
+    expected = dense_record.squared_projections(None, Q_C, dims=dims, device=CPU)
+    actual = sparse_record.squared_projections(None, Q_C, dims=dims, device=CPU)
+    assert len(sparse_record.sparse) == 2  # pass 0 joined, pass 1 apart
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+    if padding_idx is not None:
+        assert actual[:, padding_idx].abs().max() == 0
+
+
+def test_one_hot_rows_need_the_identity_input_basis() -> None:
+    generator = torch.Generator().manual_seed(6)
+    record = ExampleGradients()
+    sparse, _ = one_hot_rows(torch.tensor([[0, 1], [2, 1]]), 4, None)
+    record.add(sparse, torch.randn(4, 2, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="diagonal input factor"):
+        record.squared_projections(
+            orthogonal(4, generator), None, dims=(4, 2), device=CPU
+        )
+
+
+def test_ekfac_trains_an_embedding_and_leaves_its_padding_row() -> None:
+    """EKFAC on a model with `nn.Embedding` (one-hot inputs): the loss falls, the
+    padding row never moves (regression: `SparseRows` had no per-example path)."""
+    from singd_curvlinops import EKFAC
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(11, 4, padding_idx=3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(24, 3),
+    ).double()
+    tokens, labels = torch.randint(0, 11, (16, 6)), torch.randint(0, 3, (16,))
+    tokens[:, 0] = 3
+    padding_row = model[0].weight[3].detach().clone()
+    optimizer = EKFAC(model, lr=0.05, T=1, damping=0.1)
+    losses = []
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(tokens), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert torch.equal(model[0].weight[3], padding_row)
+    assert optimizer.describe() is not None

@@ -28,6 +28,12 @@ is one matrix product of the position Gramians, \(S^2 (d_C + d_K)\) numbers per
 example, or else the squared per-example products \(\bar g_n^\top \bar a_n\),
 \(d_C d_K\) numbers per example, whichever is smaller; examples go in chunks of
 at most `CHUNK_NUMBERS` such numbers.
+
+One-hot input rows (`SparseRows` of an embedding, whose input factor is diagonal,
+so \(Q_K = I\)) are kept as entries: entry \(e\) of example \(n_e\) puts
+\(v_e \bar g_{r_e}\) into column \(c_e\) of \(\nabla_{n_e}\) (\(r_e\) its row,
+\(v_e\) its value), so \(\Sigma\) is a sum over the distinct (example, column)
+pairs, never a \(d_C \times V\) matrix per example.
 """
 
 from __future__ import annotations
@@ -38,8 +44,71 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from singd_curvlinops.statistics import SparseRows
+
 # at most this many intermediate numbers per chunk of examples (64 MiB in float32)
 CHUNK_NUMBERS = 2**24
+
+
+@dataclass(frozen=True, slots=True)
+class SparseUse:
+    r"""One-hot input rows of a micro-batch as entries, normalisation undone.
+
+    Attributes:
+        examples: Example \(n_e\) of each entry, `[nnz]`.
+        columns: Column \(c_e\) of each entry, `[nnz]`.
+        values: Value \(v_e\) of each entry times \(\sqrt{N_b S}\), `[nnz]`.
+        g: Output-gradient row of each entry's position, `[nnz, d_C]`.
+        num_examples: \(N_b\).
+    """
+
+    examples: Tensor
+    columns: Tensor
+    values: Tensor
+    g: Tensor
+    num_examples: int
+
+    def joined(self, other: SparseUse) -> SparseUse:
+        """Return the entries of both uses (one pass over the same examples).
+
+        Args:
+            other: A later use of the pass.
+
+        Returns:
+            The concatenated entries.
+        """
+        return SparseUse(
+            torch.cat([self.examples, other.examples]),
+            torch.cat([self.columns, other.columns]),
+            torch.cat([self.values, other.values]),
+            torch.cat([self.g, other.g]),
+            self.num_examples,
+        )
+
+    def sum_of_squares(
+        self, Q_C: Tensor | None, d_K: int, dtype: torch.dtype
+    ) -> Tensor:
+        r"""Return \(\sum_n (Q_C^\top \nabla_n)^{\odot 2}\), `[d_C, d_K]`.
+
+        Entries of one (example, column) pair are summed before squaring.
+
+        Args:
+            Q_C: Orthogonal `[d_C, d_C]` of `dtype`, or None for the identity.
+            d_K: The number of columns (the vocabulary).
+            dtype: The dtype of the computation.
+
+        Returns:
+            The sums of squares.
+        """
+        g = self.g.to(dtype)
+        g = g if Q_C is None else g @ Q_C
+        pairs, slot = torch.unique(
+            self.examples * d_K + self.columns, return_inverse=True
+        )
+        per_pair = g.new_zeros(pairs.numel(), g.shape[1])
+        per_pair.index_add_(0, slot, g * self.values.to(dtype).unsqueeze(1))
+        total = g.new_zeros(d_K, g.shape[1])
+        return total.index_add_(0, pairs % d_K, per_pair.square_()).T
 
 
 @dataclass(slots=True)
@@ -50,6 +119,7 @@ class ExampleGradients:
         chunks: Per micro-batch, the input rows `[N_b, S, d_K]`, the output-gradient
             rows `[N_b, S, d_C]` and the weight \(N_b S\) that undoes the rows'
             normalisation.
+        sparse: Per micro-batch of one-hot input rows, their entries.
         scale: Factor applied to \(\Sigma\) (the collector's \(\nu(N)\) and
             gradient-scale correction).
         reduce: Sums \(\Sigma\) over the processes of a data-parallel run (set by
@@ -57,6 +127,7 @@ class ExampleGradients:
     """
 
     chunks: list[tuple[Tensor, Tensor, float]] = field(default_factory=list)
+    sparse: list[SparseUse] = field(default_factory=list)
     scale: float = 1.0
     reduce: Callable[[Tensor], Tensor] | None = None
     pass_id: int | None = None
@@ -78,6 +149,9 @@ class ExampleGradients:
         """
         if not num_examples or not a.shape[0]:
             return  # an empty batch has no per-example gradients
+        if isinstance(a, SparseRows):
+            self._add_sparse(a, g, num_examples, pass_id)
+            return
         positions = a.shape[0] // num_examples
         a = a.unflatten(0, (num_examples, positions))
         g = g.unflatten(0, (num_examples, positions))
@@ -98,6 +172,45 @@ class ExampleGradients:
             )
         else:
             self.chunks.append((a, g, weight))
+        self.pass_id = pass_id
+
+    def _add_sparse(
+        self, a: SparseRows, g: Tensor, num_examples: int, pass_id: int | None
+    ) -> None:
+        r"""Keep one-hot rows as entries (see `add`; joined like dense rows).
+
+        Args:
+            a: The rows, with the row of each entry.
+            g: Output-gradient rows `[N_b S, d_C]`.
+            num_examples: \(N_b\).
+            pass_id: The use's backward pass.
+
+        Raises:
+            ValueError: If the rows do not say which row each entry is in.
+        """
+        if a.rows is None:
+            raise ValueError(
+                "Per-example gradients (EKFAC) need the row of every entry of "
+                "sparse input rows: the layer adapter's SparseRows must set `rows`."
+            )
+        positions = a.num_rows // num_examples
+        use = SparseUse(
+            examples=a.rows // positions,
+            columns=a.columns,
+            values=a.values * float(num_examples * positions) ** 0.5,
+            g=g[a.rows],
+            num_examples=num_examples,
+        )
+        last = self.sparse[-1] if self.sparse else None
+        if (
+            last is not None
+            and pass_id is not None
+            and pass_id == self.pass_id
+            and last.num_examples == num_examples
+        ):
+            self.sparse[-1] = last.joined(use)
+        else:
+            self.sparse.append(use)
         self.pass_id = pass_id
 
     def squared_projections(
@@ -121,9 +234,14 @@ class ExampleGradients:
 
         Returns:
             Tensor `[d_C, d_K]`.
+
+        Raises:
+            ValueError: If one-hot rows meet a basis \(Q_K\) other than the
+                identity (their layer's input factor must be diagonal).
         """
         dtype = torch.float32
-        for tensor in (Q_K, Q_C, *(t for chunk in self.chunks for t in chunk[:2])):
+        sparse = (t for use in self.sparse for t in (use.values, use.g))
+        for tensor in (Q_K, Q_C, *(t for c in self.chunks for t in c[:2]), *sparse):
             if tensor is not None:
                 dtype = torch.promote_types(dtype, tensor.dtype)
         total = torch.zeros(dims[1], dims[0], dtype=dtype, device=device)
@@ -134,6 +252,13 @@ class ExampleGradients:
                 g if Q_C is None else g @ Q_C.to(dtype),
             )
             total.add_(_sum_of_squares(*rotated), alpha=weight)
+        if self.sparse and Q_K is not None:
+            raise ValueError(
+                "One-hot input rows need a diagonal input factor (basis Q_K = I)."
+            )
+        for use in self.sparse:
+            Q = None if Q_C is None else Q_C.to(dtype)
+            total.add_(use.sum_of_squares(Q, dims[0], dtype))
         if self.reduce is not None:
             total = self.reduce(total)
         return total.mul_(self.scale)

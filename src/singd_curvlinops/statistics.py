@@ -69,12 +69,15 @@ class SparseRows:
         values: Value of each entry, `[nnz]`.
         dim: Number of columns \(d\).
         num_rows: Number of rows.
+        rows: Row of each entry, `[nnz]` (int64), for per-example gradients
+            (EKFAC); None where unknown.
     """
 
     columns: Tensor
     values: Tensor
     dim: int
     num_rows: int
+    rows: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -99,7 +102,9 @@ class SparseRows:
         Returns:
             A `SparseRows` sharing `columns`.
         """
-        return SparseRows(self.columns, self.values.to(dtype), self.dim, self.num_rows)
+        return SparseRows(
+            self.columns, self.values.to(dtype), self.dim, self.num_rows, self.rows
+        )
 
 
 def conv_patches(x: Tensor, module: Conv2d, kfac_approx: str) -> Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from curvlinops.kfac import KFACType
 from torch import Tensor
 from torch.nn import Embedding, Module, Parameter
@@ -143,12 +144,16 @@ class EmbeddingAdapter(LayerAdapter):
         dtype = module.weight.dtype
         if kfac_approx == KFACType.EXPAND:
             columns = tokens.reshape(-1) if keep is None else tokens[keep]
+            rows = torch.arange(batch * shared, device=tokens.device)
+            rows = rows if keep is None else rows[keep.reshape(-1)]
             scale = (batch * shared) ** -0.5 if batch * shared else 0.0
             values = columns.new_full(columns.shape, scale, dtype=dtype)
-            return SparseRows(columns, values, vocabulary, batch * shared)
+            return SparseRows(columns, values, vocabulary, batch * shared, rows)
         example = tokens.new_tensor(range(batch)).unsqueeze(1).expand_as(tokens)
         keys = example * vocabulary + tokens  # (example, token) pairs
         keys = keys.reshape(-1) if keep is None else keys[keep]
         pairs, counts = keys.unique(return_counts=True)
         values = counts.to(dtype) / (shared * batch**0.5)
-        return SparseRows(pairs % vocabulary, values, vocabulary, batch)
+        return SparseRows(
+            pairs % vocabulary, values, vocabulary, batch, pairs // vocabulary
+        )

@@ -24,7 +24,7 @@ created at the first grafted step), and the counters `"skipped_steps"`,
 `"discarded_factor_updates"`. Momentum buffers, fallback moments and grafting
 moments have the parameter's shape (the moments the layout of \(\Gamma\),
 `[d_C, d_K]`), any floating dtype (loading casts them to the parameter's) and
-finite entries; counters are non-negative ints (or 0-d integer tensors); a
+finite entries; counters are ints in `[0, 2**63)` (or 0-d integer tensors); a
 gradient scale is a finite positive number. Any other entry is refused.
 
 Wrong types raise `TypeError`, everything else `ValueError`; messages give the
@@ -49,6 +49,7 @@ from singd_curvlinops.rules.fallback import FALLBACK_RULES
 #: Counters that other features may keep per parameter (allowed, not required).
 OPTIONAL_COUNTERS = ("skipped_steps", "discarded_factor_updates")
 GRAFT_KEYS = ("graft_exp_avg", "graft_exp_avg_sq")
+MAX_COUNT = 2**63 - 1
 
 
 def check_tensor(
@@ -93,7 +94,9 @@ def check_tensor(
 
 
 def check_counter(value: Any, where: str) -> None:
-    """Check a counter: a non-negative int or 0-d integer tensor.
+    r"""Check a counter: an int in `[0, 2**63)` or a 0-d integer tensor.
+
+    The bound is int64's: a larger step count overflows AdamW's \(\beta^t\).
 
     Args:
         value: The saved value.
@@ -101,7 +104,7 @@ def check_counter(value: Any, where: str) -> None:
 
     Raises:
         TypeError: If it is neither.
-        ValueError: If it is negative.
+        ValueError: If it is out of range.
     """
     integer_tensor = (
         isinstance(value, Tensor)
@@ -115,8 +118,10 @@ def check_counter(value: Any, where: str) -> None:
             f"{where} must be a non-negative int (or a 0-d integer tensor), got "
             f"{value!r}."
         )
-    if value < 0:
-        raise ValueError(f"{where} must be a non-negative int, got {value!r}.")
+    if value < 0 or value > MAX_COUNT:
+        raise ValueError(
+            f"{where} must be a non-negative int below 2**63, got {value!r}."
+        )
 
 
 def check_layer_entry(

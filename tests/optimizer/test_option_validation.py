@@ -38,6 +38,8 @@ FLOAT_OPTIONS = [
     ("fallback_betas", (0.9, INF), r"fallback_betas\[1\] must be in \[0\.0, 1\.0\)"),
     ("fallback_eps", NAN, r"fallback_eps must be >= 0\.0, got nan"),
     ("lr", 10**400, r"lr must be >= 0\.0, got 1000.* \(it must be finite\)"),
+    ("max_dense_dim", INF, r"max_dense_dim must be a positive int or None, got inf"),
+    ("T", INF, r"T must be a positive int, got inf"),
 ]
 SINGD_OPTIONS = [
     ("lr_cov", INF, r"lr_cov must be >= 0\.0, got inf"),

@@ -104,9 +104,9 @@ def validate(
     unknown = [key for key in state if key not in ids]
     if unknown:
         raise ValueError(
-            f"state_dict['state'] has entries for {unknown}, which no group of "
-            f"state_dict['param_groups'] holds (its ids: {list(ids)}); the state "
-            "belongs to another model or optimizer configuration."
+            f"state_dict['state'] has entries for {_few(unknown)}, which no group "
+            f"of state_dict['param_groups'] holds (they hold {_few(list(ids))}); "
+            "the state belongs to another model or optimizer configuration."
         )
     factors, kept = {}, []
     if state:
@@ -114,7 +114,7 @@ def validate(
             ids.items(), _group_of(checked), strict=True
         ):
             entry = state.get(saved_id)
-            if entry is None and not param.requires_grad:
+            if not entry and not param.requires_grad:  # None or empty
                 kept.append(param)
                 continue
             where = f"state_dict['state'][{saved_id!r}]"
@@ -125,6 +125,19 @@ def validate(
                 factors[param] = layer_factors
     loadable = {"state": state, "param_groups": checked}
     return LoadPlan(loadable, factors, fresh=not state, kept=tuple(kept))
+
+
+def _few(keys: list[Any]) -> str:
+    """Return at most five keys for a message, with the count of the others.
+
+    Args:
+        keys: The keys.
+
+    Returns:
+        E.g. `"[0, 1, 2, 3, 4] and 7 more"`.
+    """
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return f"{keys[:5]}{more}"
 
 
 def _check_top_level(state_dict: Any) -> None:

@@ -266,11 +266,15 @@ def test_empty_state_loads_as_the_initial_state() -> None:
     assert optimizer.state[model[0].weight]["step"] == 2
 
 
-def test_frozen_parameter_without_entry_keeps_its_state() -> None:
+@pytest.mark.parametrize("entry", ["absent", "empty"])
+def test_frozen_parameter_without_entry_keeps_its_state(entry: str) -> None:
     """`torch.distributed.checkpoint` leaves out parameters that are frozen."""
     model, optimizer, saved = _trained()
     model[2].weight.requires_grad_(False)
-    del saved["state"][4]
+    if entry == "absent":
+        del saved["state"][4]
+    else:
+        saved["state"][4] = {}
     kept = copy.deepcopy(optimizer.state[model[2].weight])
     optimizer.load_state_dict(saved)
     assert_same(kept, optimizer.state[model[2].weight], "kept state")

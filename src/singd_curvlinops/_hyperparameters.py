@@ -1,7 +1,15 @@
-"""Validation of the optimizers' hyperparameters (one place, clear messages)."""
+"""Validation of the optimizers' hyperparameters (one place, clear messages).
+
+The same checks run at construction (`add_param_group`), on the options of a
+loaded state dict (`checkpoint_validation`) and on options edited between steps
+(`option_guard`). Real-valued options must be finite: `inf` and NaN are rejected
+with the argument's name and its allowed range.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -11,8 +19,23 @@ from singd_curvlinops.statistics import check_kfac_approx, check_loss_average
 from singd_curvlinops.structure_policy import check_max_dense_dim, check_structures
 
 
+def is_finite(value: int | float) -> bool:
+    """Return whether a real number is finite (also as a float: no overflow).
+
+    Args:
+        value: An int or float.
+
+    Returns:
+        False for NaN, infinities and ints beyond the float range.
+    """
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
-    """Check `low <= value` (and `value < high`) for a real number.
+    """Check `low <= value` (and `value < high`) for a finite real number.
 
     Args:
         name: Argument name for the message.
@@ -22,13 +45,61 @@ def check_number(name: str, value: Any, low: float, high: float | None = None) -
 
     Raises:
         TypeError: If `value` is not a real number.
-        ValueError: If it is out of range.
+        ValueError: If it is out of range, NaN or infinite.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}.")
-    if value != value or value < low or (high is not None and value >= high):
+    finite = is_finite(value)
+    if not finite or value < low or (high is not None and value >= high):
         allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}.")
+        note = "" if finite else " (it must be finite)"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}{note}.")
+
+
+def check_positive(name: str, value: Any) -> None:
+    """Check `0 < value < inf` for a real number (a gradient scale).
+
+    Args:
+        name: Argument name for the message.
+        value: Candidate value.
+
+    Raises:
+        TypeError: If `value` is neither a real number nor a bool.
+        ValueError: If it is a bool, not positive, NaN or infinite.
+    """
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number > 0, got {value!r}.")
+    finite = not isinstance(value, bool) and is_finite(value)
+    if not finite or value <= 0:
+        note = "" if finite or isinstance(value, bool) else " (it must be finite)"
+        raise ValueError(f"{name} must be > 0, got {value!r}{note}.")
+
+
+def check_lr_cov_value(value: Any, step: Any) -> float:
+    """Check what a callable `lr_cov` returned at a step.
+
+    Args:
+        value: The returned value.
+        step: The step it was called with (the layer's step counter).
+
+    Returns:
+        The value as a float.
+
+    Raises:
+        ValueError: If it is not a finite real number >= 0 (the message names
+            `lr_cov` and the step).
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not is_finite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"lr_cov (a callable) returned {value!r} at step {step}; it must "
+            "return a finite real number >= 0."
+        )
+    return float(value)
 
 
 def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:

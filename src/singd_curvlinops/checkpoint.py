@@ -5,11 +5,11 @@
 callable `lr_cov` or `structures` a marker that `from_plain` replaces by the
 callable of the optimizer that loads it. Options that a checkpoint lacks (it was
 written before they existed) take the loading optimizer's values.
-`validated_factors` compares the factors of a state dict with the layers of the
-loading optimizer before anything changes, and keeps them
-in their saved dtypes: `torch.optim.Optimizer.load_state_dict` casts floating
-state to the parameter's dtype, which would turn float32 factors of bfloat16
-weights into bfloat16 (`restore_factors` undoes that).
+`checkpoint_validation` checks the whole state dict against the loading
+optimizer before anything changes. Factors come back in the dtypes the layers
+compute them in (`preconditioner_dtype`): `torch.optim.Optimizer.load_state_dict`
+casts floating state to the parameter's dtype, which would turn float32 factors
+of bfloat16 weights into bfloat16 (`restore_factors` undoes that).
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import Parameter
-
-from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorRule
 
 CALLABLE_LR_COV = "<callable lr_cov: restored from the optimizer on load>"
 CALLABLE_STRUCTURES = "<callable structures: restored from the optimizer on load>"
@@ -57,8 +54,12 @@ def from_plain(
 ) -> dict[str, Any]:
     """Return a shallow copy with the group options restored to their types.
 
+    Options that a saved group lacks (newer than the checkpoint) take the values
+    of the loading optimizer's group at the same position.
+
     Args:
-        state_dict: As written by `to_plain` (not modified).
+        state_dict: As written by `to_plain`, with as many groups as
+            `current_groups` (checked by `checkpoint_validation`; not modified).
         current_groups: The loading optimizer's groups (for callable `lr_cov`).
 
     Returns:
@@ -66,104 +67,65 @@ def from_plain(
 
     Raises:
         ValueError: If the checkpoint has a callable `lr_cov` or `structures`
-            where the loading optimizer has none.
+            where the loading optimizer has none, or `preconditioner_dtype` does
+            not name floating dtypes.
     """
     restored = {
         "state": dict(state_dict["state"]),
         "param_groups": [dict(g) for g in state_dict["param_groups"]],
     }
-    for group, current in zip(restored["param_groups"], current_groups, strict=False):
+    for index, (group, current) in enumerate(
+        zip(restored["param_groups"], current_groups, strict=True)
+    ):
+        where = f"state_dict['param_groups'][{index}]"
         for key, value in current.items():  # options newer than the checkpoint
             group.setdefault(key, value)
-        group["preconditioner_dtype"] = tuple(
-            None if d is None else getattr(torch, d)
-            for d in group["preconditioner_dtype"]
+        group["preconditioner_dtype"] = _dtypes(
+            group["preconditioner_dtype"], f"{where}['preconditioner_dtype']"
         )
         for key in _PAIRS:
             if isinstance(group.get(key), list):
                 group[key] = tuple(group[key])
         for key, marker in _CALLABLES.items():
-            if group.get(key) != marker:
+            if not (isinstance(group.get(key), str) and group[key] == marker):
                 continue
             if not callable(current.get(key)):
                 raise ValueError(
-                    f"The checkpoint was saved with a callable {key}; construct "
-                    "the optimizer with the same callable before loading."
+                    f"The checkpoint was saved with a callable {key} ({where}); "
+                    "construct the optimizer with the same callable before loading."
                 )
             group[key] = current[key]
     return restored
 
 
-def validated_factors(
-    state_dict: dict[str, Any],
-    current_groups: list[dict[str, Any]],
-    layers: dict[Parameter, Layer],
-    rule: FactorRule,
-) -> dict[Parameter, dict[str, Tensor]]:
-    """Check the factors of a state dict against the loading optimizer's layers.
+def _dtypes(value: Any, where: str) -> Any:
+    """Return saved dtype names as torch dtypes (other values as they are).
 
     Args:
-        state_dict: From `from_plain`.
-        current_groups: The loading optimizer's parameter groups.
-        layers: Its layers, by weight.
-        rule: Its factor rule.
+        value: A saved `preconditioner_dtype`: names like `"float32"` or None.
+        where: Its place, for the message.
 
     Returns:
-        Map from weight to its factor tensors, in their saved dtypes.
+        A tuple of dtypes and None, or `value` itself if it is no list or tuple
+        (the option check rejects it then).
 
     Raises:
-        ValueError: If groups, structures or factor shapes do not match.
+        ValueError: If a name is no floating torch dtype.
     """
-    params = [p for g in current_groups for p in g["params"]]
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(current_groups) or sum(
-        len(g["params"]) for g in saved_groups
-    ) != len(params):
-        raise ValueError(
-            "The state has different parameter groups than this optimizer: it "
-            "belongs to another model or optimizer configuration."
-        )
-    group_of = {i: g for g in saved_groups for i in g["params"]}
-    factors = {}
-    for index, param in enumerate(params):
-        saved = state_dict["state"].get(index, {})
-        if param not in layers or "step" not in saved:
-            continue
-        layer = layers[param]
-        group = layer.options(group_of[index])
-        initial = rule.init_state(group, layer.dims, layer.factor_dtypes(group), "meta")
-        expected = {
-            k: tuple(v.shape)
-            for k, v in initial.items()
-            if isinstance(v, Tensor) and not k.startswith("graft_")
-        }
-        found = {  # the rule's entries: its factors and whatever else it keeps
-            k: tuple(v.shape)
-            for k, v in saved.items()
-            if isinstance(v, Tensor)
-            and (k in expected or k.split(".")[0] in _factor_prefixes(rule))
-        }
-        if found != expected:
+    if not isinstance(value, (list, tuple)):
+        return value
+    dtypes = []
+    for name in value:
+        dtype = getattr(torch, name, None) if isinstance(name, str) else name
+        if isinstance(name, str) and not isinstance(dtype, torch.dtype):
+            dtype = name  # not a dtype's name
+        if not (dtype is None or isinstance(dtype, torch.dtype)):
             raise ValueError(
-                f"The state's factors of layer {layer.name!r} do not match this "
-                f"optimizer's: saved {found}, expected {expected} (structures "
-                f"{layer.structures}); it belongs to another model or structure "
-                "configuration."
+                f"{where} must name a pair of floating torch dtypes or None "
+                f"(e.g. ['float32', None]), got {value!r}."
             )
-        factors[param] = {k: saved[k] for k in expected}
-    return factors
-
-
-def _factor_prefixes(rule: FactorRule) -> set[str]:
-    """Return the state prefixes of a rule's factors (`"K"`, `"m_K"`, ...).
-
-    Args:
-        rule: The factor rule.
-
-    Returns:
-        The prefixes.
-    """
-    return {prefix for prefix, _ in rule.factor_sides}
+        dtypes.append(dtype)
+    return tuple(dtypes)
 
 
 def restore_factors(
@@ -174,7 +136,7 @@ def restore_factors(
 
     Args:
         state: The optimizer's `state` after `load_state_dict`.
-        factors: From `validated_factors`.
+        factors: The factor tensors of each layer, as validated.
     """
     for param, tensors in factors.items():
         state[param].update({k: t.to(param.device) for k, t in tensors.items()})

@@ -95,6 +95,16 @@ class Registration:
                 FALLBACK_RULES[group["fallback"]].init_state(param)
             )
 
+    def _init_all_states(self) -> None:
+        """Give every layer and fallback parameter its initial state (a fresh start)."""
+        groups = self.param_groups
+        for layer in self._layers.active(groups):
+            self._init_state(layer, groups[layer.group_index])
+        for group, param in self._fallback_params(groups):
+            self.state[param].update(
+                FALLBACK_RULES[group["fallback"]].init_state(param)
+            )
+
     def _init_state(self, layer: Layer, group: dict[str, Any]) -> None:
         """Create a layer's state: the rule's factors, counters, momentum buffers.
 

@@ -31,7 +31,14 @@ from torch.nn import Module, Parameter
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
-from singd_curvlinops import _curvlinops, checkpoint, distributed, parameter_update
+from singd_curvlinops import (
+    _curvlinops,
+    checkpoint,
+    checkpoint_validation,
+    distributed,
+    parameter_update,
+)
+from singd_curvlinops._hyperparameters import check_positive
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
@@ -39,6 +46,7 @@ from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, empty_note
 from singd_curvlinops.lifecycle import Lifecycle
+from singd_curvlinops.option_guard import OptionGuard
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
@@ -95,8 +103,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
     ) -> None:
         if not isinstance(model, Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model)}.")
-        if isinstance(init_grad_scale, bool) or not init_grad_scale > 0:
-            raise ValueError(f"init_grad_scale must be > 0, got {init_grad_scale!r}.")
+        check_positive("init_grad_scale", init_grad_scale)
         rule.check_group(dict(defaults))
         if isinstance(model, DistributedDataParallel) and not distributed.initialized():
             raise ValueError(
@@ -123,6 +130,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
         )
         self._records = PreconditionerCache(self)
         self._fallback: set[Parameter] = set()
+        self._options = OptionGuard(rule, self._fallback)  # options edited later
         self._init_grad_scale = float(init_grad_scale)
         if params is None:
             params = self._default_params(warn_unsupported, defaults["fallback"])
@@ -203,6 +211,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             ValueError: For a layer tied to a transposed use under
                 `Shard(factors="owned")`, which does not support it.
         """
+        self._options.check(self.param_groups, (layer.group_index,))
         if not self._due(layer):
             return None
         group = self.param_groups[layer.group_index]
@@ -272,6 +281,10 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Update factors (every `T` steps) and parameters.
 
+        An option set to an invalid value since the last step, or an invalid
+        value of a callable `lr_cov`, raises a `ValueError` (`TypeError` for a
+        wrong type) that names it, before anything changes.
+
         Without gradients (no backward pass) nothing changes and a warning says
         so; after `remove_hooks()`, or once a later optimizer on the same layers
         has taken the hooks over, a `RuntimeError` says so.
@@ -282,8 +295,10 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
 
         Returns:
             The closure's loss, or None.
+
         """
         self._collector.hooks.check()
+        self._options.check(self.param_groups)
         loss = None
         if closure is not None:
             self._closure_without_scaler = getattr(self, "grad_scale", None) is None
@@ -296,6 +311,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             self._step_without_gradients()
             return loss
         layers = self._layers.active(self.param_groups)
+        step_options = self._options.step_options(layers, self.state, self.param_groups)
         fallback = list(self._fallback_params(self.param_groups))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         current_scale = (
@@ -324,6 +340,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             forget=self._records.forget,
             grad_scale=grad_scale,
             current_scale=current_scale,
+            step_options=step_options,
         )
         stepper.check(layers)
         self._distribution.step(stepper, layers)
@@ -412,20 +429,30 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             return checkpoint.to_plain(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state, keeping factors in their own dtype and validating it.
+        """Load a state, validated as a whole first (`checkpoint_validation`).
+
+        Factors come back in the dtypes their layers compute them in; an empty
+        `"state"` loads as the initial state. A missing or unknown key or an
+        invalid value raises a `ValueError` (`TypeError` for a wrong type) that
+        gives its path, and the optimizer is unchanged.
 
         Args:
             state_dict: From `state_dict()`, possibly of another process or device.
         """
-        state_dict = checkpoint.from_plain(state_dict, self.param_groups)
-        factors = checkpoint.validated_factors(
+        plan = checkpoint_validation.validate(
             state_dict,
-            self.param_groups,
-            {layer.weight: layer for layer in self._layers},
-            self._rule,
+            groups=self.param_groups,
+            layers=self._layers,
+            fallback=self._fallback,
+            rule=self._rule,
         )
-        super().load_state_dict(state_dict)
-        checkpoint.restore_factors(self.state, factors)
+        kept = {p: self.state[p] for p in plan.kept if p in self.state}
+        super().load_state_dict(plan.state_dict)
+        checkpoint.restore_factors(self.state, plan.factors)
+        self.state.update(kept)
+        if plan.fresh:
+            self._init_all_states()
+        self._options.forget()
         self._collector.clear()
         self._records.clear()
         self._distribution.loaded(self.state, self._rule)

@@ -13,7 +13,8 @@ this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections import ChainMap
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -53,6 +54,8 @@ class LayerStepper:
         forget: Drops a layer's cached preconditioners of some sides.
         grad_scale: Scale of the gradients (a `GradScaler`'s), or None.
         current_scale: Gradient scale of this backward pass, if known.
+        step_options: Per layer, options that replace its group's in this step
+            (`FactorRule.step_options`, evaluated and checked before the step).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class LayerStepper:
         forget: Callable[..., None],
         grad_scale: Tensor | None,
         current_scale: float | None,
+        step_options: Mapping[Layer, Mapping[str, Any]] | None = None,
     ) -> None:
         self.rule = rule
         self.state = state
@@ -75,6 +79,7 @@ class LayerStepper:
         self._collector = collector
         self._grad_scale = grad_scale
         self._current_scale = current_scale
+        self._step_options = step_options or {}
 
     def group(self, layer: Layer) -> dict[str, Any]:
         """Return the layer's parameter group.
@@ -83,9 +88,11 @@ class LayerStepper:
             layer: The layer.
 
         Returns:
-            Its group.
+            Its options (with this step's values of step-dependent options).
         """
-        return layer.options(self.groups[layer.group_index])
+        options = layer.options(self.groups[layer.group_index])
+        values = self._step_options.get(layer)
+        return options if values is None else ChainMap(dict(values), options)
 
     def due(self, layer: Layer) -> bool:
         """Return whether the layer's factors update in this step.

@@ -171,6 +171,23 @@ class FactorRule(ABC):
             group: The group's options.
         """
 
+    def step_options(self, group: Mapping[str, Any], step: Any) -> dict[str, Any]:
+        """Return the options that depend on the step, evaluated and checked.
+
+        The optimizer calls it for every layer whose factors are due, before the
+        step changes anything, and `update` then reads these values in place of
+        the group's (SINGD: the value of a callable `lr_cov`). The default has
+        none.
+
+        Args:
+            group: The layer's options.
+            step: The layer's step counter.
+
+        Returns:
+            Option name to value (empty: none).
+        """
+        return {}
+
     @abstractmethod
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:
         """Return the structure names of the input- and output-side factors.

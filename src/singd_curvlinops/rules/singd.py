@@ -16,7 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops._hyperparameters import check_common, check_number
+from singd_curvlinops._hyperparameters import (
+    check_common,
+    check_lr_cov_value,
+    check_number,
+)
 from singd_curvlinops.rules.base import (
     FactorRule,
     FactorStatistics,
@@ -73,6 +77,17 @@ class SINGDRule(FactorRule):
         for name in ("kfac_like", "normalize_lr_cov"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be a bool, got {group[name]!r}.")
+
+    def step_options(self, group: Mapping[str, Any], step: Any) -> dict[str, Any]:
+        """Return a callable `lr_cov`'s value at `step`, checked (else nothing).
+
+        A value that is not a finite real number >= 0 raises a `ValueError`
+        (`check_lr_cov_value`).
+        """
+        lr_cov = group["lr_cov"]
+        if not callable(lr_cov):
+            return {}
+        return {"lr_cov": check_lr_cov_value(lr_cov(step), step)}
 
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:
         """Return the group's `structures`."""
@@ -138,11 +153,12 @@ class SINGDRule(FactorRule):
             M.frobenius_norm().square() / M.dim if MtM is None else MtM.average_trace()
             for M, MtM in zip(factors, FtF, strict=True)
         ]
-        lr_cov = group["lr_cov"]
+        # a callable lr_cov: the optimizer hands its checked value over in `group`
+        step_options = self.step_options(group, state["step"])
         hyper = FactorHyperparameters(
             damping=group["damping"],
             alpha1=resolved_alpha1(group),
-            lr_cov=lr_cov(state["step"]) if callable(lr_cov) else lr_cov,
+            lr_cov=step_options.get("lr_cov", group["lr_cov"]),
             kfac_like=group["kfac_like"],
             normalize_lr_cov=group["normalize_lr_cov"],
         )

@@ -1,0 +1,167 @@
+"""Options of parameter groups, validated wherever they enter the optimizer.
+
+`check_options` is the one check of a group's options: the rule's `check_group`
+(which the constructor and `add_param_group` run), with the group's place in the
+message (`param_groups[1]: T must be a positive int, got 0.`), a missing option
+reported by name, and one consistency check with the optimizer's parameters (a
+group that holds fallback parameters needs a `fallback` rule). `load_state_dict`
+runs it on every saved group (`checkpoint_validation`); `OptionGuard` runs it on
+the live groups when a step or a statistics hook reads them, so that an option
+edited after construction (`optimizer.param_groups[0]["T"] = 0`) raises a clear
+error before anything changes instead of failing inside the step.
+
+The guard re-checks a group only when its options changed since its last check:
+it keeps a snapshot (the group object, its keys and values) per group, and
+comparing the snapshot costs about a microsecond. A scheduler that sets `lr` at
+every step makes its group be checked at every step, a few microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from torch.nn import Parameter
+
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorRule
+from singd_curvlinops.stepping import is_due
+
+
+def check_options(
+    rule: FactorRule,
+    group: Mapping[str, Any],
+    *,
+    where: str,
+    holds_fallback: bool = False,
+) -> dict[str, Any]:
+    """Return a group's options checked and normalised, without changing `group`.
+
+    Args:
+        rule: The optimizer's factor rule (its `check_group` is the check).
+        group: The options (a `"params"` entry is left out of the result).
+        where: The group's place for messages, e.g. `"param_groups[1]"`.
+        holds_fallback: Whether the group holds parameters that no layer owns,
+            which its `fallback` rule trains.
+
+    Returns:
+        A new dictionary of the normalised options.
+
+    Raises:
+        ValueError: If an option is missing or out of range, or the group holds
+            fallback parameters and has `fallback=None`; the message names the
+            group and the option. An option of the wrong type raises the rule's
+            `TypeError`, with the group's place added.
+    """
+    options = {key: value for key, value in group.items() if key != "params"}
+    try:
+        rule.check_group(options)
+    except KeyError as error:
+        raise ValueError(
+            f"{where} lacks the option {error.args[0]!r} (options of a parameter "
+            "group are never removed; set a valid value instead)."
+        ) from None
+    except (TypeError, ValueError) as error:
+        kind = ValueError if isinstance(error, ValueError) else TypeError
+        raise kind(f"{where}: {error}") from None
+    if holds_fallback and options.get("fallback") is None:
+        raise ValueError(
+            f"{where}: fallback=None, but the group holds parameters that no layer "
+            "owns, which its fallback rule trains; fallback must be one of "
+            "'adamw', 'sgd'."
+        )
+    return options
+
+
+class OptionGuard:
+    """Checks the live parameter groups' options when the optimizer reads them.
+
+    Args:
+        rule: The optimizer's factor rule.
+        fallback: The optimizer's fallback parameters (a live collection).
+    """
+
+    def __init__(self, rule: FactorRule, fallback: Collection[Parameter]) -> None:
+        self._rule = rule
+        self._fallback = fallback
+        self._checked: dict[int, tuple[dict[str, Any], tuple, tuple]] = {}
+
+    def check(
+        self, groups: Sequence[dict[str, Any]], indices: Sequence[int] | None = None
+    ) -> None:
+        """Check the groups whose options changed since their last check.
+
+        A group that passes gets its normalised values (a pair as a tuple, ...),
+        as the constructor gives them; one that fails raises `check_options`'s
+        `ValueError` or `TypeError`, and nothing changes.
+
+        Args:
+            groups: The optimizer's parameter groups.
+            indices: The groups to check (None: all).
+        """
+        for index in range(len(groups)) if indices is None else indices:
+            group = groups[index]
+            if self._unchanged(index, group):
+                continue
+            holds_fallback = any(p in self._fallback for p in group["params"])
+            options = check_options(
+                self._rule,
+                group,
+                where=f"param_groups[{index}]",
+                holds_fallback=holds_fallback,
+            )
+            for key, value in options.items():
+                if key in group and group[key] is not value:
+                    group[key] = value
+            self._checked[index] = (group, tuple(group), tuple(group.values()))
+
+    def forget(self) -> None:
+        """Forget every snapshot (after `load_state_dict` replaced the groups)."""
+        self._checked.clear()
+
+    def _unchanged(self, index: int, group: dict[str, Any]) -> bool:
+        """Return whether a group has the keys and values of its last check.
+
+        Args:
+            index: Its position.
+            group: The group.
+
+        Returns:
+            True if it is the same dictionary with the same keys and values.
+        """
+        seen = self._checked.get(index)
+        if seen is None or seen[0] is not group:
+            return False
+        try:  # values compare by identity first; a tensor may refuse `==`
+            return seen[1] == tuple(group) and seen[2] == tuple(group.values())
+        except (RuntimeError, TypeError, ValueError):
+            return False
+
+    def step_options(
+        self,
+        layers: Sequence[Layer],
+        state: Mapping[Parameter, dict[str, Any]],
+        groups: Sequence[dict[str, Any]],
+    ) -> dict[Layer, dict[str, Any]]:
+        """Evaluate and check the step-dependent options of the due layers.
+
+        Args:
+            layers: The layers of this step.
+            state: The optimizer's state.
+            groups: Its parameter groups (checked).
+
+        Returns:
+            Per layer whose factors are due, the options that replace the group's
+            in this step (`FactorRule.step_options`: a callable `lr_cov`'s value,
+            which raises a `ValueError` if it is invalid; nothing has changed then).
+        """
+        values = {}
+        for layer in layers:
+            group = groups[layer.group_index]
+            layer_state = state[layer.weight]
+            if not is_due(layer_state, group):
+                continue
+            options = self._rule.step_options(layer.options(group), layer_state["step"])
+            if options:
+                values[layer] = options
+        return values

@@ -7,8 +7,10 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Factors travel on update steps
   (`factors="replicated"`), (half-)preconditioned gradients on every step.
-- **checks**: the configuration check (once) and the step check of `Shard` (two
-  64-bit integers per step).
+- **checks**: the configuration check (once), the step check of `Shard` (two
+  64-bit integers per step) and its agreement on the step guard's verdicts (a
+  32-bit integer for the step's inputs, for each side of each updated layer,
+  each layer and each fallback parameter; see `singd_curvlinops.guard`).
 
 DDP's own all-reduce of the gradients (the parameters' size, every step) comes
 on top under every strategy.
@@ -95,4 +97,6 @@ def bytes_per_step(
     for items in ([first] if first else []) + [layout]:
         shares = [sum(item.numel for item in share) for share in items]
         gathered += world * max(shares) * itemsize
-    return {"statistics": statistics, "gather": gathered, "checks": 16}
+    verdicts = 1 + 2 * len(layers) * update + len(layers)
+    verdicts += len(optimizer.fallback_params)
+    return {"statistics": statistics, "gather": gathered, "checks": 16 + 4 * verdicts}

@@ -36,23 +36,28 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
 
     Returns:
         One 0-d tensor per group, in at least float32 (NaN if the group holds a
-        NaN, infinity if it holds one).
+        NaN, infinity if it holds one); a few operations for all groups together.
     """
     wide = torch.float32
     for group in groups:
         for tensor in group:
             wide = torch.promote_types(wide, tensor.dtype)
-    values, counts = [], []
-    for group in groups:
-        found = [v for t in group if t.numel() for v in _extremes(t)]
-        values += found
-        counts.append(len(found))
-    stacked = torch.stack([v.to(wide) for v in values]).abs()
+    tensors = [t for group in groups for t in group if t.numel()]
+    if not tensors:  # (no device to put the zeros on: only empty tensors)
+        return [torch.zeros((), dtype=wide) for _ in groups]
+    extremes = [v.to(wide) for t in tensors for v in _extremes(t)]
+    each = torch.stack(extremes).abs_().view(-1, 2).amax(1).unbind()
     result, start = [], 0
-    for count in counts:
-        part = stacked[start : start + count]
-        result.append(part.max() if count else stacked.new_zeros(()))
+    for group in groups:
+        count = sum(1 for t in group if t.numel())
+        part = each[start : start + count]
         start += count
+        if len(part) == 1:
+            result.append(part[0])
+        elif part:  # several tensors: a layer's weight and bias, say
+            result.append(torch.stack(part).max())
+        else:
+            result.append(torch.zeros((), dtype=wide, device=tensors[0].device))
     return result
 
 

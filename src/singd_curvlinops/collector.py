@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -47,7 +47,6 @@ from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronec
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.structures import StructuredMatrix
-from singd_curvlinops.update import all_finite
 
 Project = Callable[[Any, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
 
@@ -390,26 +389,26 @@ class StatisticsCollector:
         self._pending.clear()
         self._handed_over.clear()
 
+    def handed_over_copy(self) -> dict[Layer, tuple[Tensor, Tensor]]:
+        """Return the statistics that `set_curvature` handed over, not yet used.
+
+        Returns:
+            A shallow copy, for `restore_handed_over` after a skipped step.
+        """
+        return dict(self._handed_over)
+
+    def restore_handed_over(self, saved: dict[Layer, tuple[Tensor, Tensor]]) -> None:
+        """Hand over again what a skipped step took (`handed_over_copy`).
+
+        Args:
+            saved: From `handed_over_copy` before the step.
+        """
+        self._handed_over = dict(saved)
+
     @property
     def handed_over(self) -> bool:
         """Whether factors from `set_curvature` await the next update."""
         return bool(self._handed_over)
-
-    def all_finite(self, gradients: Iterable[Tensor]) -> bool:
-        """Check gradients and pending statistics for infinities and NaNs.
-
-        One host synchronisation decides.
-
-        Args:
-            gradients: The gradients to check besides the statistics.
-
-        Returns:
-            Whether every value is finite.
-        """
-        tensors = list(gradients)
-        for pending in self.pending.values():
-            tensors += pending.H_K.tensors() + pending.H_C.tensors()
-        return bool(all_finite(tensors))
 
     # ------------------------------------------------------------- copies
     def copy_to(

@@ -4,6 +4,8 @@ One row per preconditioned layer (its rule, the structures and dimensions of its
 factors, its number of parameters, the bytes of its state) and one per fallback
 parameter; the first line of the printed table sums it up: the share of the
 parameters that is preconditioned, the layers, the fallback, the state's bytes.
+Once the step guard (`singd_curvlinops.guard`) skipped an update or discarded a
+factor update, the table also counts them per layer and parameter.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 from torch import Tensor
 from torch.nn import Parameter
+
+from singd_curvlinops.verdicts import DISCARDED, SKIPPED
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class SummaryRow:
         dims: The factors' dimensions `"d_K x d_C"` (empty for a fallback).
         numel: Number of parameter entries.
         state_bytes: Bytes of the optimizer state of these parameters.
+        skipped_steps: Steps in which the guard skipped their update.
+        discarded_factor_updates: The layer's factor updates that the guard
+            discarded (0 for a fallback parameter).
     """
 
     name: str
@@ -36,6 +43,8 @@ class SummaryRow:
     dims: str
     numel: int
     state_bytes: int
+    skipped_steps: int = 0
+    discarded_factor_updates: int = 0
 
     @property
     def preconditioned(self) -> bool:
@@ -120,6 +129,12 @@ class OptimizerSummary:
             )
             for r in self.rows
         ]
+        if any(r.skipped_steps or r.discarded_factor_updates for r in self.rows):
+            header += ("skipped", "discarded")
+            lines = [
+                (*line, str(r.skipped_steps), str(r.discarded_factor_updates))
+                for line, r in zip(lines, self.rows, strict=True)
+            ]
         widths = [
             max(len(str(c)) for c in column)
             for column in zip(header, *lines, strict=True)
@@ -167,6 +182,8 @@ def summarize(
                 dims=" x ".join(str(d) for d in layer.dims),
                 numel=sum(p.numel() for p in layer.params),
                 state_bytes=sum(_state_bytes(state[p]) for p in layer.params),
+                skipped_steps=max(_count(state, p, SKIPPED) for p in layer.params),
+                discarded_factor_updates=_count(state, layer.weight, DISCARDED),
             )
         )
     for group, param in fallback:
@@ -179,9 +196,26 @@ def summarize(
                 dims="",
                 numel=param.numel(),
                 state_bytes=_state_bytes(state[param]),
+                skipped_steps=_count(state, param, SKIPPED),
             )
         )
     return OptimizerSummary(optimizer, tuple(rows))
+
+
+def _count(
+    state: Mapping[Parameter, Mapping[str, Any]], param: Parameter, key: str
+) -> int:
+    """Return a guard counter of a parameter's state (0 if absent).
+
+    Args:
+        state: The optimizer's state.
+        param: The parameter.
+        key: `"skipped_steps"` or `"discarded_factor_updates"`.
+
+    Returns:
+        The count.
+    """
+    return state[param].get(key, 0) if param in state else 0
 
 
 def _state_bytes(state: Mapping[str, Any]) -> int:

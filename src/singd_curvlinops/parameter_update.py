@@ -30,6 +30,7 @@ group's `fallback_betas` and `fallback_eps` and live in the layer's state as
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.fallback import FALLBACK_RULES, adam_direction
-from singd_curvlinops.update import parameter_step
+from singd_curvlinops.update import checked_parameter_steps
 
 
 def init_graft_state(layer: Layer, group: Mapping[str, Any]) -> dict[str, Tensor]:
@@ -107,15 +108,19 @@ def rescale(direction: Tensor, norm: Tensor) -> Tensor:
     return direction.mul_((norm / current.clamp(min=tiny)).to(direction.dtype))
 
 
-def step_layer(
+def layer_steps(
     layer: Layer,
     direction: Tensor,
     groups: Sequence[Mapping[str, Any]],
     state: Mapping[Parameter, dict[str, Any]],
     *,
     local: Callable[[Tensor], Tensor] = lambda tensor: tensor,
-) -> None:
-    r"""Apply weight decay, momentum and learning rate per parameter of a layer.
+) -> tuple[Tensor, Callable[[Tensor], None]] | None:
+    r"""Prepare a layer's parameter step; apply it once the verdict is known.
+
+    Weight decay, momentum and learning rate per parameter, with its own group's
+    options (`update.checked_parameter_steps`); a parameter without a gradient is
+    not touched.
 
     Args:
         layer: The layer.
@@ -124,28 +129,43 @@ def step_layer(
         state: The optimizer's state (momentum buffers).
         local: Maps a parameter or buffer to the tensor this rank updates (its
             row shard under FSDP2; the identity otherwise).
+
+    Returns:
+        Whether every parameter's step is sound (0-d boolean), and the function
+        that applies them all given the verdict; None without a gradient.
     """
     params = [local(p) for p in layer.params]
     parts = layer.from_matrix(direction, params)
-    for param, mine, part, group in zip(
-        layer.params, params, parts, layer.param_groups(groups), strict=True
-    ):
-        if param.grad is None:
-            continue  # frozen or unused in this step: never touched
-        parameter_step(
-            [mine],
-            [part],
-            [local(state[param]["momentum_buffer"])],
-            lr=group["lr"],
-            momentum=group["momentum"],
-            weight_decay=group["weight_decay"],
+    stepped = [
+        (mine, part, local(state[param]["momentum_buffer"]), group)
+        for param, mine, part, group in zip(
+            layer.params, params, parts, layer.param_groups(groups), strict=True
         )
+        if param.grad is not None  # frozen or unused in this step: never touched
+    ]
+    if not stepped:
+        return None
+    mine, parts, buffers, param_groups = zip(*stepped, strict=True)
+    storage = direction.untyped_storage().data_ptr()
+    views = len(stepped) == len(params) and all(
+        part.untyped_storage().data_ptr() == storage for part in parts
+    )
+    return checked_parameter_steps(
+        mine,
+        parts,
+        buffers,
+        lrs=[group["lr"] for group in param_groups],
+        momenta=[group["momentum"] for group in param_groups],
+        weight_decays=[group["weight_decay"] for group in param_groups],
+        whole=direction if views and direction.is_contiguous() else None,
+    )
 
 
 def step_fallback(
     params: Iterable[tuple[Parameter, Mapping[str, Any]]],
     state: Mapping[Parameter, dict[str, Any]],
     grad_scale: Tensor | None,
+    checked: Callable[[Parameter, dict[str, Any], Callable[[], None]], None],
 ) -> None:
     """Step the parameters that no layer owns with their groups' fallback rules.
 
@@ -153,6 +173,8 @@ def step_fallback(
         params: Each parameter with its group.
         state: The optimizer's state.
         grad_scale: The gradients' scale (None: unscaled).
+        checked: Runs one parameter's in-place update (the last argument) as a
+            checked change of the parameter and its state (`StepGuard.checked`).
     """
     for param, group in params:
         if param.grad is None or group["fallback"] is None:
@@ -164,4 +186,8 @@ def step_fallback(
         param_state = state[param]
         if any(key not in param_state for key in rule.state_keys):
             param_state.update(rule.init_state(param))  # the fallback changed
-        rule.step(param, grad, param_state, group)
+        checked(
+            param,
+            param_state,
+            partial(rule.step, param, grad, param_state, group),
+        )

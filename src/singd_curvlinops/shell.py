@@ -39,10 +39,10 @@ from singd_curvlinops import (
     parameter_update,
 )
 from singd_curvlinops._hyperparameters import check_positive
-from singd_curvlinops._warnings import warn
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
+from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, empty_note
 from singd_curvlinops.lifecycle import Lifecycle
@@ -50,6 +50,7 @@ from singd_curvlinops.option_guard import OptionGuard
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
+from singd_curvlinops.verdicts import DISCARDED, SKIPPED, inputs_verdict, most, total
 
 
 class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
@@ -198,6 +199,29 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
         """Whether factors from `set_curvature` await the next factor update."""
         return self._collector.handed_over
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps in which the guard skipped an update, for the most skipped parameter.
+
+        A step skipped as a whole (non-finite gradients or statistics) counts for
+        every parameter, one skipped layer or fallback update for its parameters
+        (`describe()` shows each layer's count). Checkpointed as the
+        `"skipped_steps"` entry of each parameter's state (see the guide page
+        "Failure modes").
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        return most((self.state[p] for p in params if p in self.state), SKIPPED)
+
+    @property
+    def discarded_factor_updates(self) -> int:
+        """Factor updates the guard discarded (not finite), summed over the layers.
+
+        Checkpointed as the `"discarded_factor_updates"` entry of each layer's
+        weight's state.
+        """
+        weights = [layer.weight for layer in self._layers]
+        return total((self.state[w] for w in weights if w in self.state), DISCARDED)
+
     def _collection_plan(self, layer: Layer) -> CollectionPlan | None:
         """Tell the collector what to collect for a layer's forward call.
 
@@ -328,9 +352,18 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             state=self.state,
             rule=self._rule,
         )
-        if not self._all_finite(layers, [p for _, p in fallback]):
-            self._skip_step(layers, current_scale)
-            return loss
+        handed_over = self._collector.handed_over_copy()
+        guard = StepGuard(
+            type(self).__name__,
+            self.state,
+            layers,
+            [self._due(layer) for layer in layers],
+            [(self._layers.name(p), p) for _, p in fallback],
+            self._inputs_finite(layers, [p for _, p in fallback]),
+            agree=self._distribution.agree,
+            hint=self._rule.discard_hint,
+            factor_names=self._rule.side_names,
+        )
         stepper = LayerStepper(
             rule=self._rule,
             collector=self._collector,
@@ -341,12 +374,20 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             grad_scale=grad_scale,
             current_scale=current_scale,
             step_options=step_options,
+            guard=guard,
         )
         stepper.check(layers)
         self._distribution.step(stepper, layers)
         parameter_update.step_fallback(
-            [(p, group) for group, p in fallback], self.state, grad_scale
+            [(p, group) for group, p in fallback],
+            self.state,
+            grad_scale,
+            guard.fallback_update,
         )
+        guard.commit_deferred()
+        if not guard.settle():  # skipped as a whole: nothing changed
+            self._collector.pending.clear()
+            self._collector.restore_handed_over(handed_over)
         return loss
 
     def _fallback_params(
@@ -362,41 +403,23 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
         """
         return [(g, p) for g in groups for p in g["params"] if p in self._fallback]
 
-    def _all_finite(self, layers: list[Layer], others: list[Parameter]) -> bool:
-        """Check gradients and pending statistics for infinities and NaNs.
+    def _inputs_finite(self, layers: list[Layer], others: list[Parameter]) -> Tensor:
+        """Return whether the step's gradients and statistics are finite (no read).
 
         Args:
             layers: The layers of this step.
             others: The fallback parameters of this step.
 
         Returns:
-            Whether every gradient (unless a `GradScaler` checked them) and every
-            statistic is finite.
+            A 0-d boolean tensor (gradients unchecked if a `GradScaler` did).
         """
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf):
-            return False
-        gradients = []
-        if found_inf is None:  # a GradScaler has checked the gradients already
-            params = [p for layer in layers for p in layer.params] + others
-            gradients = [p.grad for p in params if p.grad is not None]
-        return self._collector.all_finite(gradients)
-
-    def _skip_step(self, layers: list[Layer], current_scale: float | None) -> None:
-        """Skip the step: warn, drop statistics, touch no parameter or factor.
-
-        Args:
-            layers: The layers of this step.
-            current_scale: The gradient scale of this pass, if known.
-        """
-        self._collector.pending.clear()
-        warn(
-            f"{type(self).__name__} skipped a step: non-finite gradients or "
-            "statistics. Parameters, factors and momenta are unchanged."
-        )
-        if current_scale is not None:  # the next pass runs at (about) this scale
-            for layer in layers:
-                self.state[layer.weight]["grad_scale"] = current_scale
+        params = [p for layer in layers for p in layer.params] + others
+        tensors = [p.grad for p in params if p.grad is not None and found_inf is None]
+        for pending in self._collector.pending.values():
+            tensors += pending.H_K.tensors() + pending.H_C.tensors()
+        device = self.param_groups[0]["params"][0].device
+        return inputs_verdict(tensors, found_inf, device)
 
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.

@@ -2,9 +2,11 @@ r"""The operations of one optimizer step on one layer, for a distribution strate
 
 `KroneckerOptimizer.step` hands a `LayerStepper` to its distribution strategy
 (`singd_curvlinops.distributed`), which decides where each operation runs:
-`Replicate` calls `step_layer` for every layer on every rank; `Shard` lets each
-layer's owner update the factors and precondition, and shares the results. The
-stepper knows the rule, the collector and the state, not the strategy.
+`Replicate` calls `update_factors` for every layer, then `settle_factors`, then
+`step_parameters` for every layer, on every rank; `Shard` lets each layer's owner
+update the factors and precondition, and shares the results. The stepper knows
+the rule, the collector, the state and the step's guard (`singd_curvlinops.guard`:
+every factor and parameter update is a checked change), not the strategy.
 
 Under FSDP2 a layer's parameters are row shards (`DTensor`): `gradient` returns
 this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
@@ -15,18 +17,25 @@ from __future__ import annotations
 import weakref
 from collections import ChainMap
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
+from singd_curvlinops.distributed.collectives import world_size
 from singd_curvlinops.distributed.fsdp import is_sharded, local
+from singd_curvlinops.distributed.layout import SHELL_KEYS, side_of
+from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, FactorStatistics, Preconditioner
+from singd_curvlinops.verdicts import choose, finite
 
 Records = Callable[[Layer, tuple[int, ...]], Preconditioner]
+GRAFT = "graft_"  # prefix of the grafting moments in a layer's state
 
 
 def is_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
@@ -54,6 +63,8 @@ class LayerStepper:
         forget: Drops a layer's cached preconditioners of some sides.
         grad_scale: Scale of the gradients (a `GradScaler`'s), or None.
         current_scale: Gradient scale of this backward pass, if known.
+        guard: The step's guard: every factor and parameter update is a checked
+            change (`singd_curvlinops.guard`).
         step_options: Per layer, options that replace its group's in this step
             (`FactorRule.step_options`, evaluated and checked before the step).
     """
@@ -69,9 +80,11 @@ class LayerStepper:
         forget: Callable[..., None],
         grad_scale: Tensor | None,
         current_scale: float | None,
+        guard: StepGuard,
         step_options: Mapping[Layer, Mapping[str, Any]] | None = None,
     ) -> None:
         self.rule = rule
+        self.guard = guard
         self.state = state
         self.groups = groups
         self.preconditioner = records
@@ -148,10 +161,41 @@ class LayerStepper:
         record = (
             self.preconditioner(layer, ()) if self.rule.reads_preconditioner else None
         )
-        self.rule.update(
-            self.state[layer.weight], self.group(layer), statistics, record, **kwargs
+        state = self.state[layer.weight]
+        self.guard.factor_update(
+            layer,
+            state,
+            self._factor_parts(state, (0, 1) if sides is None else sides),
+            partial(
+                self.rule.update, state, self.group(layer), statistics, record, **kwargs
+            ),
+            checks=self.rule.checks_updates,
         )
         self.forget(layer, (0, 1) if sides is None else sides)
+
+    def _factor_parts(
+        self, state: dict[str, Any], sides: tuple[int, ...]
+    ) -> list[tuple[tuple[int, ...], list[str]]]:
+        """Return the rule's state entries that an update of `sides` changes.
+
+        Args:
+            state: The layer's state.
+            sides: The sides updated.
+
+        Returns:
+            `(sides, keys)` per verdict: one per side for a rule that splits its
+            sides (its entries of no side join each), one for both otherwise.
+        """
+        keys = [
+            key for key in state if key not in SHELL_KEYS and not key.startswith(GRAFT)
+        ]
+        if not self.rule.splits_sides:
+            return [((0, 1), keys)]
+        no_side = [key for key in keys if side_of(key, self.rule) is None]
+        return [
+            ((side,), [k for k in keys if side_of(k, self.rule) == side] + no_side)
+            for side in sides
+        ]
 
     def finish(self, layer: Layer, *, due: bool) -> None:
         """Drop statistics that are not due, advance the step counter.
@@ -199,14 +243,31 @@ class LayerStepper:
         """
         if not local(layer.params[0]).numel():  # an empty row shard: nothing here
             return
-        group = self.group(layer)
+        group, state = self.group(layer), self.state[layer.weight]
+        choices = []
         if group["graft"] is not None:
+            before = {k: v.clone() for k, v in state.items() if k.startswith(GRAFT)}
             grad = self.gradient(layer)
-            norm = parameter_update.graft_norm(grad, self.state[layer.weight], group)
+            norm = parameter_update.graft_norm(grad, state, group)
             parameter_update.rescale(direction, norm)
-        parameter_update.step_layer(
+            for key in [key for key in state if key.startswith(GRAFT)]:
+                old = before.get(key, torch.zeros_like(state[key]))  # (new: zeros)
+                choices.append((state[key], state[key], old))
+        steps = parameter_update.layer_steps(
             layer, direction, self.groups, self.state, local=local
         )
+        if steps is None:
+            return
+        sound, apply = steps
+        if choices:
+            sound = sound & finite([new for _, new, _ in choices], sound.device)
+
+        def commit(ok: Tensor) -> None:
+            apply(ok)
+            choose(choices, ok)
+
+        sharded = is_sharded(layer) and world_size() > 1
+        self.guard.parameter_update(layer, sound, commit, defer=sharded)
 
     def check(self, layers: list[Layer]) -> None:
         """Raise before any change if an option cannot work on these layers.
@@ -232,8 +293,8 @@ class LayerStepper:
                     "graft=None for sharded layers."
                 )
 
-    def step_layer(self, layer: Layer) -> None:
-        """Do the whole step of one layer on this rank (replicated work).
+    def update_factors(self, layer: Layer) -> None:
+        """Do a layer's factor work of this step on this rank (replicated work).
 
         Args:
             layer: The layer.
@@ -242,6 +303,17 @@ class LayerStepper:
         if due:
             self.update(layer, self.take(layer))
         self.finish(layer, due=due)
+
+    def settle_factors(self) -> None:
+        """Let the guard settle the verdicts on host numbers before preconditioning."""
+        self.guard.settle_factors()
+
+    def step_parameters(self, layer: Layer) -> None:
+        """Precondition a layer's gradient and apply it (replicated work).
+
+        Args:
+            layer: The layer.
+        """
         grad = self.gradient(layer)
         if grad is not None:
             direction = self.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)

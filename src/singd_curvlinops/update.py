@@ -31,12 +31,14 @@ hyperparameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from singd_curvlinops.bounds import lands, peaks, spectral_norm, trust_region
 from singd_curvlinops.structures import StructuredMatrix
 
 
@@ -94,24 +96,49 @@ def factor_step(
     m_K: StructuredMatrix,
     increment: StructuredMatrix,
     hyper: FactorHyperparameters,
-) -> tuple[StructuredMatrix, StructuredMatrix]:
+    accept: Tensor | None = None,
+) -> tuple[StructuredMatrix, Tensor]:
     r"""Update the factor in place, \(K \gets K - \beta_1 K m_K\); return the momentum.
+
+    The step is limited by `bounds.trust_region` and kept only if it is sound:
+    the new momentum is finite and \(\max|K| + \max|\beta_1 K m_K|\) is at most
+    half the dtype's largest number (`bounds.lands`: the new \(K\) is finite).
+    Otherwise \(K\) gets an exact zero step and the momentum its previous value:
+    the update is discarded on the device, without a host read or a copy.
 
     Args:
         K: The factor (updated in place).
-        m_K: Its momentum before the step.
+        m_K: Its momentum before the step (not modified).
         increment: \(s \hat m_K\) from `momentum_increment` (consumed).
         hyper: The hyperparameters.
+        accept: A 0-d boolean that must also hold (the step's inputs were
+            finite); None: true.
 
     Returns:
-        The new momentum \(\alpha_1 m_K + s \hat m_K\) (`increment`, updated).
+        The momentum to keep (`increment`, updated: \(\alpha_1 m_K + s \hat m_K\),
+        or the previous \(m_K\)), and whether the update was kept (0-d boolean).
     """
     m_new = increment.add_(m_K, alpha=hyper.alpha1) if hyper.alpha1 else increment
     lr: float | Tensor = hyper.lr_cov
     if hyper.normalize_lr_cov:
         lr = hyper.lr_cov / m_new.infinity_vector_norm().clamp(min=1.0)
-    K.add_(K @ m_new, alpha=-lr)
-    return m_new
+    step = K @ m_new
+    peak_K, peak_step, peak_m = peaks([K.tensors(), step.tensors(), m_new.tensors()])
+    scale = trust_region(lr, spectral_norm(m_new, peak_m))
+    step.mul_(scale)  # exactly 1 within the region
+    ok = lands(peak_K, peak_step * scale, lr, K.dtype) & torch.isfinite(peak_m)
+    ok = ok if accept is None else ok & accept
+    for new, old in zip(m_new.tensors(), m_K.tensors(), strict=True):
+        torch.where(ok, new, old, out=new)
+    discard = ~ok
+    for tensor in step.tensors():  # a discarded step adds an exact 0
+        tensor.masked_fill_(discard, 0.0)
+    if isinstance(lr, Tensor):  # (a NaN learning rate would spoil the 0)
+        alpha = -lr.masked_fill(discard, 0.0)
+    else:
+        alpha = -lr if math.isfinite(lr) else 0.0
+    K.add_(step, alpha=alpha)
+    return m_new, ok
 
 
 def precondition(
@@ -238,17 +265,62 @@ def parameter_step(
         param.add_(direction, alpha=-lr)
 
 
-def all_finite(tensors: list[Tensor]) -> Tensor:
-    """Return a 0-d boolean tensor: do all `tensors` hold only finite values?
+def checked_parameter_steps(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    buffers: Sequence[Tensor],
+    *,
+    lrs: Sequence[float],
+    momenta: Sequence[float],
+    weight_decays: Sequence[float],
+    whole: Tensor | None = None,
+) -> tuple[Tensor, Callable[[Tensor], None]]:
+    r"""Prepare `parameter_step` for some parameters; apply it only if it is sound.
+
+    The same operations as `parameter_step`, bit for bit, but each new buffer
+    \(\mu' = \alpha_2 \mu + \Delta + \gamma \theta\) is written into its
+    direction first, and nothing into the parameters and buffers until the
+    returned function is called with the verdict (on the device; a False verdict
+    adds an exact 0 to every parameter and keeps the buffers). The steps are
+    sound if every \(\mu'\) and \(\theta - \beta_2 \mu'\) is finite
+    (`bounds.lands`, with the largest \(\beta_2\)).
 
     Args:
-        tensors: Tensors to check.
+        params: The parameters \(\theta\), of one dtype and device.
+        directions: Their directions \(\Delta\) (overwritten).
+        buffers: Their momentum buffers \(\mu\) (unused where \(\alpha_2 = 0\)).
+        lrs: Learning rates \(\beta_2\), one per parameter.
+        momenta: Momenta \(\alpha_2\).
+        weight_decays: Weight decays \(\gamma\).
+        whole: A tensor whose entries are exactly those of the directions (their
+            layer's matrix, of which they are views): its largest entry is read
+            in one contiguous pass instead of one strided pass per direction.
 
     Returns:
-        `torch.tensor(True)` for an empty list.
+        Whether all steps are sound (0-d boolean), and the function that applies
+        them given the (possibly stricter) verdict.
     """
-    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
-    if not extremes:
-        return torch.tensor(True)
-    # min and max propagate NaN and carry ±inf: two numbers per tensor, one pass
-    return torch.isfinite(torch.stack(extremes)).all()
+    for param, direction, buffer, momentum, weight_decay in zip(
+        params, directions, buffers, momenta, weight_decays, strict=True
+    ):
+        if weight_decay:
+            direction.add_(param, alpha=weight_decay)
+        if momentum:  # (in place: `direction` may be a strided view)
+            direction.add_(buffer, alpha=momentum)
+    finite_lrs = all(math.isfinite(lr) for lr in lrs)
+    changes = directions if whole is None else [whole]
+    peak_param, peak_direction = peaks([params, changes])
+    largest = max(abs(lr) for lr in lrs) if finite_lrs else 0.0
+    sound = lands(peak_param, peak_direction, largest, params[0].dtype) & finite_lrs
+
+    def apply(ok: Tensor) -> None:
+        discard = ~ok.to(params[0].device)
+        for param, direction, buffer, lr, momentum in zip(
+            params, directions, buffers, lrs, momenta, strict=True
+        ):
+            if momentum:
+                torch.where(discard, buffer, direction, out=buffer)
+            direction.masked_fill_(discard, 0.0)
+            param.add_(direction, alpha=-lr if finite_lrs else 0.0)
+
+    return sound, apply

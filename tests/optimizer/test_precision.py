@@ -87,8 +87,9 @@ def _snapshot(opt: SINGD, model: nn.Module) -> dict:
     return {"params": params, "state": state}
 
 
-# Bookkeeping that a skipped step may update: the gradient scale to expect next.
-BOOKKEEPING = ("grad_scale",)
+# Bookkeeping that a skipped step may update: the gradient scale to expect next,
+# and the count of skipped steps (added by the step guard, issue 16).
+BOOKKEEPING = ("grad_scale", "skipped_steps")
 
 
 def _assert_bit_identical(before: dict, after: dict) -> None:
@@ -97,7 +98,9 @@ def _assert_bit_identical(before: dict, after: dict) -> None:
         assert torch.equal(p_before, p_after), "a skipped step changed a parameter"
     assert before["state"].keys() == after["state"].keys()
     for i, state in before["state"].items():
-        assert state.keys() == after["state"][i].keys(), "a skipped step added state"
+        assert state.keys() - set(BOOKKEEPING) == (
+            after["state"][i].keys() - set(BOOKKEEPING)
+        ), "a skipped step added state"
         for key, value in state.items():
             if key in BOOKKEEPING:
                 continue

@@ -20,6 +20,7 @@ allocator statistics on the CPU).
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,9 @@ from singd_curvlinops.compare.optimizers import OptimizerSpec, warmup_cosine
 from singd_curvlinops.compare.workloads import Problem, Workload
 
 MEMORY_STEPS = 5  # one factor update of the K-FAC family (T = 5)
-_SKIPPED = "skipped a step"  # SINGD's warning on non-finite statistics
+# the warnings of the optimizers' step guard (`singd_curvlinops.guard`), which
+# counts the skipped steps itself (`skipped_steps`)
+_GUARD = re.compile(r"^\w+ (skipped|discarded) ")
 
 
 class Precision(str, Enum):
@@ -78,7 +81,8 @@ class RunResult:
         final_metric: The metric after the last step (NaN if diverged).
         diverged: Whether the run diverged.
         error: The optimizer's exception message, if it raised one.
-        skipped_steps: Steps skipped by `SINGD` (non-finite statistics).
+        skipped_steps: Steps in which the optimizer's step guard skipped an
+            update (`skipped_steps` of `SINGD`, `KFAC`, `EKFAC`; 0 for others).
         seconds: Training seconds of the whole run.
         step_peak_mib: Memory a training step allocates and holds at once.
         state_mib: The optimizer's state after training.
@@ -206,7 +210,8 @@ def run_trial(
 ) -> RunResult:
     """Train one run and record its validation curve, cost and outcome.
 
-    Warnings other than `SINGD`'s skipped steps are issued again after the run.
+    Warnings other than the step guard's (skipped steps, discarded factor
+    updates) are issued again after the run.
 
     Args:
         workload: The workload.
@@ -237,12 +242,11 @@ def run_trial(
             result.diverged, result.error = True, f"{type(error).__name__}: {error}"
             result.final_metric = math.nan
     for warning in caught:
-        if _SKIPPED in str(warning.message):
-            result.skipped_steps += 1
-        else:
+        if not _GUARD.match(str(warning.message)):
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
+    result.skipped_steps = getattr(built, "skipped_steps", 0)
     result.state_mib = state_bytes(built) / MIB
     return result
 

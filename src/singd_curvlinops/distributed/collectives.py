@@ -139,6 +139,23 @@ def check_same_step(step: int, device: torch.device) -> None:
         )
 
 
+def agree(flags: Tensor) -> Tensor:
+    """Return flags that hold on every rank: True only where all ranks' are.
+
+    One all-reduce (a minimum) of 32-bit integers; no host synchronisation.
+
+    Args:
+        flags: This rank's boolean flags, the same number on every rank.
+
+    Returns:
+        The agreed boolean flags, on the device of `flags`.
+    """
+    votes = flags.to(torch.int32)
+    with named_collective("The agreement on a step's verdicts (the step guard)"):
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    return votes.bool()
+
+
 def all_gather_parts(
     parts: Sequence[Tensor], sizes: list[int], dtype: torch.dtype, device: torch.device
 ) -> list[Tensor]:

@@ -12,8 +12,10 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   two partial traces each (and of one maximum each with `normalize_lr_cov`).
   Factors travel on update steps (`factors="replicated"`), (half-)preconditioned
   gradients on every step.
-- **checks**: the configuration check (once) and the step check of `Shard` (two
-  64-bit integers per step).
+- **checks**: the configuration check (once), the step check of `Shard` (two
+  64-bit integers per step) and its agreement on the step guard's verdicts (a
+  32-bit integer for the step's inputs, for each side of each updated layer,
+  each layer and each fallback parameter; see `singd_curvlinops.guard`).
 
 DDP's own all-reduce of the gradients (the parameters' size, every step) comes
 on top under every strategy.
@@ -113,7 +115,9 @@ def bytes_per_step(
     split = [layer for layer in layers if plan[layer].columns]
     if update and split:
         gathered += _column_bytes(split, groups, world)
-    return {"statistics": statistics, "gather": gathered, "checks": 16}
+    verdicts = 1 + 2 * len(layers) * update + len(layers)
+    verdicts += len(optimizer.fallback_params)
+    return {"statistics": statistics, "gather": gathered, "checks": 16 + 4 * verdicts}
 
 
 def _column_bytes(layers: list, groups: list, world: int) -> int:

@@ -101,6 +101,7 @@ class GatheredStep:
         for layer, is_due in zip(layers, due, strict=True):
             if not self._split(layer):
                 self._update(layer, is_due)
+        self.stepper.settle_factors()  # (the guard's host numbers, before sharing)
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = self.layouts(layers, due)
         if first:  # the factors first, then the preconditioning

@@ -21,7 +21,15 @@ from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 
 # state entries of a layer that the shell keeps (not the rule's factors)
-SHELL_KEYS = frozenset({"step", "grad_scale", "momentum_buffer"})
+SHELL_KEYS = frozenset(
+    {
+        "step",
+        "grad_scale",
+        "momentum_buffer",
+        "skipped_steps",  # the step guard's counters (`singd_curvlinops.guard`)
+        "discarded_factor_updates",
+    }
+)
 Plan = Mapping[Layer, Assignment | None]
 
 

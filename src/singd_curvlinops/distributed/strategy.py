@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed import ownership
+from singd_curvlinops.distributed import collectives, ownership
 from singd_curvlinops.distributed.assignment import (
     Assignment,
     assign,
@@ -192,7 +192,24 @@ class DistributionStrategy:
             )
             return
         for layer in layers:
-            stepper.step_layer(layer)
+            stepper.update_factors(layer)
+        stepper.settle_factors()
+        for layer in layers:
+            stepper.step_parameters(layer)
+
+    def agree(self, flags: Tensor) -> Tensor:
+        """Return the step guard's verdicts as every rank applies them (`guard`).
+
+        Args:
+            flags: This rank's verdicts, True where it checked nothing.
+
+        Returns:
+            Under `Shard` on several ranks the minimum over the ranks (owners
+            check their factor updates alone; one all-reduce), else `flags`
+            (every rank decides alike; FSDP2's rows agree in the guard).
+        """
+        owners_decide = isinstance(self, Shard) and world_size() > 1
+        return collectives.agree(flags) if owners_decide else flags
 
     def full_state(
         self,

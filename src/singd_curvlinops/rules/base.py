@@ -144,13 +144,38 @@ class FactorRule(ABC):
             before the update).
         per_example: Whether `update` needs the per-example gradients of the pass
             (`FactorStatistics.examples`); `project` must then leave `a` intact.
+        discard_hint: The likely cause of a factor update that is not finite,
+            and its remedy, for the optimizer's warning (`guard`).
+        checks_updates: Whether `update` checks its own result (SINGD): it then
+            takes a keyword `accept` (a 0-d boolean that must also hold), keeps
+            the previous entries of a side whose update is not finite, and
+            returns per updated side whether it kept the update. Otherwise the
+            optimizer's guard copies the entries before the update to do so.
     """
 
+    discard_hint = (
+        "this layer's statistics are too large for the factors' dtype: keep the "
+        "factors in float32 (preconditioner_dtype), normalise the layer's inputs "
+        "or scale the loss down"
+    )
+    checks_updates: bool = False
     factor_sides: tuple[tuple[str, int], ...] = ()
     splits_sides: bool = False
     owner_state: tuple[str, ...] = ()
     reads_preconditioner: bool = True
     per_example: bool = False
+
+    @property
+    def side_names(self) -> tuple[str, str]:
+        """The factor of each side, as messages name it (its first prefix).
+
+        Returns:
+            E.g. `("K", "C")` for SINGD, `("A", "G")` for KFAC.
+        """
+        first: dict[int, str] = {}
+        for prefix, side in self.factor_sides:
+            first.setdefault(side, prefix)
+        return first.get(0, "K"), first.get(1, "C")
 
     def label(self, group: dict[str, Any]) -> str:
         """Return the name of the update a group gets, for summaries.

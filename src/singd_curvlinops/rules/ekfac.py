@@ -109,8 +109,11 @@ class EKFACRule(KFACRule):
         bases = []
         for prefix, _ in self.factor_sides:
             basis = state.get(f"Q_{prefix}.mat")
-            if basis is not None:  # a diagonal factor's basis is the identity
-                basis.copy_(_eigenbasis(state[f"{prefix}.mat"]))
+            factor = state.get(f"{prefix}.mat")
+            # a diagonal factor's basis is the identity; a factor that is not
+            # finite keeps its basis (the optimizer discards this update)
+            if basis is not None and bool(factor.isfinite().all()):
+                basis.copy_(_eigenbasis(factor))
             bases.append(basis)
         eigenvalues = state["eigenvalues"]
         fresh = statistics.examples.squared_projections(

@@ -57,6 +57,13 @@ def resolved_alpha1(group: dict[str, Any]) -> float:
 class SINGDRule(FactorRule):
     """SINGD (and IKFAC with `kfac_like=True`) on structured factors."""
 
+    discard_hint = (
+        "this layer's statistics (or damping) are too large for the factors' "
+        "dtype, or lr_cov is not finite: normalise the layer's inputs or scale "
+        "the loss down, keep the factors in float32 (preconditioner_dtype), check "
+        "lr_cov"
+    )
+    checks_updates = True  # `update.factor_step` discards on the device, no copy
     factor_sides = (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
     splits_sides = True  # the sides couple only through scalar traces
     owner_state = ("m_K", "m_C")  # read by the factor's own update alone
@@ -133,16 +140,23 @@ class SINGDRule(FactorRule):
         preconditioner: Preconditioner,
         *,
         sides: tuple[int, ...] = (0, 1),
-    ) -> None:
+        accept: Tensor | None = None,
+    ) -> dict[int, Tensor]:
         r"""Apply the Riemannian updates of \(K\), \(C\) and their momenta, in place.
 
         A side updated alone reads the other side's \(\bar{\mathrm{tr}}(H)\) from the
         statistics and its \(\bar{\mathrm{tr}}(\Pi(C^\top C)) = \|C\|_F^2 / d_C\)
         from the factor (every structure's \(\Pi\) keeps the diagonal), which
         costs \(O(\text{entries})\) instead of the product \(\Pi(C^\top C)\).
+        Each side's step is limited and checked by `update.factor_step`: a side
+        whose update is not finite (or with `accept` False) keeps its factor and
+        momentum.
+
+        Returns:
+            Per updated side, whether its update was kept (0-d boolean tensors).
         """
         if not sides:
-            return
+            return {}
         factors = (preconditioner.K, preconditioner.C)
         H = _statistics(statistics, factors)
         FtF = [
@@ -173,11 +187,15 @@ class SINGDRule(FactorRule):
             )
             for side in sides
         }
+        kept = {}
         for side, increment in increments.items():
             prefix = ("K", "C")[side]  # the factors' tensors are the state's
             momentum = load_factor(state, f"m_{prefix}", names[side])
-            new_momentum = factor_step(factors[side], momentum, increment, hyper)
+            new_momentum, kept[side] = factor_step(
+                factors[side], momentum, increment, hyper, accept
+            )
             store_factor(state, f"m_{prefix}", new_momentum)
+        return kept
 
     def preconditioner(
         self,

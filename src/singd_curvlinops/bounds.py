@@ -1,0 +1,179 @@
+r"""Bounds that keep SINGD's steps finite and faithful, computed on the device.
+
+- `peaks`: the largest absolute entry of groups of tensors, from the largest
+  and smallest entry of each (no temporary, also for strided views) and one
+  stack.
+- `lands`: whether \(b - \eta c\) stays finite, from the peaks of \(b\) and \(c\).
+- `trust_region`: the scale of a factor step, with `spectral_norm`, an estimate
+  of \(\|m_K\|_2\) (the math is in `trust_region`'s docstring).
+
+None of them reads a number on the host: the optimizer's guard
+(`singd_curvlinops.guard`) reads all verdicts of a step at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.structures import DiagonalMatrix, StructuredMatrix
+
+# `trust_region`: a factor step keeps β₁ ‖m_K‖₂ within ρ; ‖m_K‖₂ is estimated
+# by this many power iterations
+MAX_FACTOR_STEP = 1.5
+POWER_ITERATIONS = 3
+
+
+def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """Return the largest absolute entry of each group of tensors.
+
+    Args:
+        groups: Groups of floating-point tensors on one device (empty tensors
+            count as 0).
+
+    Returns:
+        One 0-d tensor per group, in at least float32 (NaN if the group holds a
+        NaN, infinity if it holds one); a few operations for all groups together.
+    """
+    wide = torch.float32
+    for group in groups:
+        for tensor in group:
+            wide = torch.promote_types(wide, tensor.dtype)
+    tensors = [t for group in groups for t in group if t.numel()]
+    if not tensors:  # (no device to put the zeros on: only empty tensors)
+        return [torch.zeros((), dtype=wide) for _ in groups]
+    extremes = [v.to(wide) for t in tensors for v in _extremes(t)]
+    each = torch.stack(extremes).abs_().view(-1, 2).amax(1).unbind()
+    result, start = [], 0
+    for group in groups:
+        count = sum(1 for t in group if t.numel())
+        part = each[start : start + count]
+        start += count
+        if len(part) == 1:
+            result.append(part[0])
+        elif part:  # several tensors: a layer's weight and bias, say
+            result.append(torch.stack(part).max())
+        else:
+            result.append(torch.zeros((), dtype=wide, device=tensors[0].device))
+    return result
+
+
+def _extremes(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """Return the largest and the smallest entry of a non-empty tensor.
+
+    Args:
+        tensor: The tensor.
+
+    Returns:
+        Two 0-d tensors, from one pass for a contiguous tensor (`aminmax`), from
+        two for a strided view (which `aminmax` would copy first).
+    """
+    if tensor.is_contiguous():
+        return tuple(torch.aminmax(tensor))
+    return tensor.amax(), tensor.amin()
+
+
+def lands(
+    peak_base: Tensor, peak_change: Tensor, eta: float | Tensor, dtype: torch.dtype
+) -> Tensor:
+    r"""Return whether \(b - \eta c\) stays finite for every entry, from the peaks.
+
+    True if \(\max|b| + |\eta| \max|c| \le\) half the largest number of `dtype`:
+    then no entry of \(b - \eta c\), rounding included, overflows. False for any
+    infinity or NaN in \(b\), \(c\) or \(\eta\); a result at the very top of the
+    range counts as overflowing (it is a blow-up anyway).
+
+    Args:
+        peak_base: \(\max|b|\) (from `peaks`).
+        peak_change: \(\max|c|\).
+        eta: \(\eta\).
+        dtype: The dtype of \(b - \eta c\).
+
+    Returns:
+        A 0-d boolean tensor.
+    """
+    size = eta.abs() if isinstance(eta, Tensor) else abs(eta)
+    return peak_base + size * peak_change <= torch.finfo(dtype).max / 2
+
+
+def trust_region(lr: float | Tensor, norm: Tensor) -> Tensor:
+    r"""Return a factor step's scale \(\min(1, \rho / (\beta_1 \|m_K\|_2))\).
+
+    The update \(K \gets K (I - \beta_1 m_K)\) is the first-order truncation of
+    the Riemannian step \(K \gets K \exp(-\beta_1 m_K)\) on the factor's matrix
+    group (Lin et al., ICML 2024, Sec. 3). Along an eigenvector of \(m_K\) with
+    eigenvalue \(\mu > 0\) (where \(K\) is too large) the exponential shrinks
+    \(K\) by \(e^{-\beta_1 \mu} \in (0, 1)\) however long the step; the
+    truncation multiplies it by \(1 - \beta_1 \mu\), which also shrinks it (up
+    to a sign that \(K K^\top\) does not see) while \(\beta_1 \mu < 2\), but
+    *enlarges* it for \(\beta_1 \mu > 2\): \(K^\top U K\), and with it \(\mu\),
+    then grows quadratically by the next update, a blow-up within a few updates
+    (large `lr_cov`, tiny `damping`). So the step \(\beta_1 K m_K\) is scaled,
+    keeping its direction, until \(\beta_1 \|m_K\|_2 \le \rho\) with \(\rho\) =
+    `MAX_FACTOR_STEP` = 3/2: inside the range \((0, 2)\) where the truncated
+    step contracts like the exponential, and away from its two degenerate
+    points (\(\beta_1 \mu = 1\) collapses the direction for good, since
+    \(K^\top U K\) is then 0 there and \(m_K\) cannot grow it back;
+    \(\beta_1 \mu = 2\) never moves it). The direction with the largest \(\mu\)
+    then shrinks by half (sign flipped), the others by less, and a growing
+    direction (\(\mu < 0\)) grows at most 5/2-fold. Ordinary steps (\(\beta_1
+    \|m_K\|_2\) below about 1, also in the reference trajectories with
+    `lr_cov` up to 1/2) are multiplied by exactly 1: unchanged.
+
+    Args:
+        lr: \(\beta_1\) (a number, or a 0-d tensor with `normalize_lr_cov`).
+        norm: \(\|m_K\|_2\) or an estimate of it (`spectral_norm`).
+
+    Returns:
+        A 0-d tensor in \([0, 1]\) (NaN if `norm` or `lr` is NaN).
+    """
+    return (MAX_FACTOR_STEP / norm / lr).clamp(max=1.0)
+
+
+def spectral_norm(M: StructuredMatrix, peak: Tensor) -> Tensor:
+    r"""Return \(\|M\|_2\), exactly for a diagonal \(M\), else estimated from below.
+
+    The estimate alternates \(u \gets M v / \|M v\|\), \(v \gets M^\top u /
+    \|M^\top u\|\) (`POWER_ITERATIONS` times, two structured products each, from
+    the fixed vector \(\cos(2.4 i)\) that no structure is orthogonal to) and
+    returns the last \(\|M^\top u\| \le \|M\|_2\). It converges fast exactly
+    when one direction dominates, which is the blow-up that `trust_region`
+    prevents; below the norm, it lets ordinary steps through unchanged.
+
+    Args:
+        M: The matrix.
+        peak: \(\max_{ij} |M_{ij}|\) (from `peaks`), the norm of a diagonal.
+
+    Returns:
+        A 0-d tensor (0 for \(M = 0\); NaN if \(M\) holds one).
+    """
+    if isinstance(M, DiagonalMatrix):
+        return peak
+    tiny = torch.finfo(M.dtype).tiny
+    v = _start(M.dim, M.dtype, M.device)
+    for _ in range(POWER_ITERATIONS):
+        u = M @ v
+        u = u / torch.linalg.vector_norm(u).clamp(min=tiny)
+        v = M.rmatmat(u)
+        norm = torch.linalg.vector_norm(v)
+        v = v / norm.clamp(min=tiny)
+    return norm.to(peak.dtype)
+
+
+@lru_cache(maxsize=64)
+def _start(dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    r"""Return the power iteration's start vector \(\cos(2.4 i)\), `[dim, 1]`.
+
+    Args:
+        dim: Its length.
+        dtype: Its dtype.
+        device: Its device.
+
+    Returns:
+        A tensor (cached: never modified).
+    """
+    index = torch.arange(dim, device=device, dtype=torch.float32)
+    return torch.cos(index * 2.4).to(dtype).unsqueeze(1)

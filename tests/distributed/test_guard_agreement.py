@@ -1,0 +1,145 @@
+"""The step guard on 2 gloo processes: every rank applies and counts the same verdicts.
+
+- `Shard` (factors replicated or owned): a factor update that overflows is checked
+  by its owner alone; every rank counts and reports it, and the parameters stay
+  identical on the ranks and equal to one process on the whole batch (which
+  discards the same updates). A parameter step that overflows is skipped alike.
+- FSDP2: only rank 0's rows of a layer overflow (rank 1's rows have no gradient,
+  only weight decay); the ranks agree, so rank 1 does not step its rows either.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.functional import mse_loss
+from torch.nn.parallel import DistributedDataParallel
+
+from singd_curvlinops import SINGD
+from singd_curvlinops.distributed import Shard
+from tests.distributed.harness import params, spawn
+
+pytestmark = pytest.mark.slow
+BATCH, STEPS, BAD_FACTORS, BAD_LR = 8, 5, 4, 2  # steps with events (0-based)
+STRATEGIES = {"replicate": "replicate", "shard": "shard", "owned": "owned"}
+
+
+def _model() -> nn.Sequential:
+    """Two linear layers, no activation: huge inputs overflow both factor updates."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    X = torch.randn(BATCH, 4, generator=generator)
+    return X * (1e12 if step == BAD_FACTORS else 1.0), torch.randn(BATCH, 3)
+
+
+def _train(distribute: Any, world: int, rank: int) -> dict[str, Any]:
+    """Train STEPS steps on this rank's share; record what the guard did."""
+    model = _model()
+    net = DistributedDataParallel(model) if world > 1 else model
+    if distribute == "owned":
+        distribute = Shard(factors="owned")
+    opt = SINGD(net, lr=1e-3, momentum=0.5, T=1, lr_cov=0.1, distribute=distribute)
+    messages = []
+    for step in range(STEPS):
+        X, Y = _batch(step)
+        share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        # 1e38: the step overflows; 1e-30: Γ ~ 1e23 of the huge inputs stays small
+        opt.param_groups[0]["lr"] = {BAD_LR: 1e38, BAD_FACTORS: 1e-30}.get(step, 1e-3)
+        opt.zero_grad()
+        scale = 1e3 if step == BAD_LR else 1.0  # lr * Δ ~ 1e38 * 1e2: overflows
+        (mse_loss(net(X[share]), Y[share]) * scale).backward()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            opt.step()
+        messages += [str(w.message) for w in record]
+    return {
+        "params": params(model),
+        "messages": messages,
+        "counts": (opt.discarded_factor_updates, opt.skipped_steps),
+        "per_layer": [
+            opt.state[layer.weight].get("discarded_factor_updates", 0)
+            for layer in opt.layers
+        ],
+    }
+
+
+def _fsdp(results: dict[str, Any]) -> None:
+    """One Linear(4, 4) on 2 ranks: rows 0-1 on rank 0, rows 2-3 on rank 1."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = SINGD(model, lr=1e-3, momentum=0.0, T=1, weight_decay=0.1)
+    X = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        Y = model(X).detach()  # rows 2-3: no residual, no gradient
+    Y[:, :2] += 100.0
+    before = params(model)
+    opt.param_groups[0]["lr"] = 1e38  # rank 0's rows overflow, rank 1's do not
+    opt.zero_grad()
+    mse_loss(model(X), Y).backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.step()
+    results["fsdp/unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(before, params(model), strict=True)
+    )
+    results["fsdp/messages"] = [str(w.message) for w in record]
+    results["fsdp/skipped"] = opt.skipped_steps
+
+
+def agreement(results: dict[str, Any], out: Path) -> None:
+    """The job of every rank (see the module docs)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, distribute in STRATEGIES.items():
+        results[name] = _train(distribute, world, rank)
+    _fsdp(results)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    job = "tests.distributed.test_guard_agreement:agreement"
+    return spawn(job, 2, tmp_path_factory.mktemp("guard"))
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_rank_applies_counts_and_reports_the_same_events(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    single = _train("replicate", 1, 0)
+    assert single["per_layer"] == [1, 1]  # both layers' updates overflow, once
+    assert single["counts"] == (2, 1)  # and one parameter step
+    for result in ranks:
+        assert result[name]["counts"] == single["counts"]
+        assert result[name]["per_layer"] == single["per_layer"]
+        assert result[name]["messages"] == single["messages"]
+        for mine, first in zip(
+            result[name]["params"], ranks[0][name]["params"], strict=True
+        ):
+            assert torch.equal(mine, first)
+        for mine, reference in zip(
+            result[name]["params"], single["params"], strict=True
+        ):
+            torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_ranks_agree_on_a_layer_whose_rows_overflow_on_one_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for result in ranks:
+        assert result["fsdp/unchanged"]
+        assert result["fsdp/skipped"] == 1
+        assert len(result["fsdp/messages"]) == 1
+        assert "skipped the update of layer '0'" in result["fsdp/messages"][0]

@@ -43,6 +43,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.guard import StepGuard
+from singd_curvlinops.guarded import GuardedSteps
 from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, empty_note
 from singd_curvlinops.lifecycle import Lifecycle
@@ -50,10 +51,11 @@ from singd_curvlinops.option_guard import OptionGuard
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
-from singd_curvlinops.verdicts import DISCARDED, SKIPPED, inputs_verdict, most, total
 
 
-class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
+class KroneckerOptimizer(
+    Registration, CopiesWithModel, Lifecycle, GuardedSteps, Optimizer
+):
     """Kronecker-factored preconditioning of a model's layers (the shared shell).
 
     Use its front doors `SINGD` and `KFAC`; the shell never knows which rule or
@@ -198,29 +200,6 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
     def curvature_pending(self) -> bool:
         """Whether factors from `set_curvature` await the next factor update."""
         return self._collector.handed_over
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps in which the guard skipped an update, for the most skipped parameter.
-
-        A step skipped as a whole (non-finite gradients or statistics) counts for
-        every parameter, one skipped layer or fallback update for its parameters
-        (`describe()` shows each layer's count). Checkpointed as the
-        `"skipped_steps"` entry of each parameter's state (see the guide page
-        "Failure modes").
-        """
-        params = [p for group in self.param_groups for p in group["params"]]
-        return most((self.state[p] for p in params if p in self.state), SKIPPED)
-
-    @property
-    def discarded_factor_updates(self) -> int:
-        """Factor updates the guard discarded (not finite), summed over the layers.
-
-        Checkpointed as the `"discarded_factor_updates"` entry of each layer's
-        weight's state.
-        """
-        weights = [layer.weight for layer in self._layers]
-        return total((self.state[w] for w in weights if w in self.state), DISCARDED)
 
     def _collection_plan(self, layer: Layer) -> CollectionPlan | None:
         """Tell the collector what to collect for a layer's forward call.
@@ -402,24 +381,6 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Lifecycle, Optimizer):
             `(group, parameter)` pairs in group order.
         """
         return [(g, p) for g in groups for p in g["params"] if p in self._fallback]
-
-    def _inputs_finite(self, layers: list[Layer], others: list[Parameter]) -> Tensor:
-        """Return whether the step's gradients and statistics are finite (no read).
-
-        Args:
-            layers: The layers of this step.
-            others: The fallback parameters of this step.
-
-        Returns:
-            A 0-d boolean tensor (gradients unchecked if a `GradScaler` did).
-        """
-        found_inf = getattr(self, "found_inf", None)
-        params = [p for layer in layers for p in layer.params] + others
-        tensors = [p.grad for p in params if p.grad is not None and found_inf is None]
-        for pending in self._collector.pending.values():
-            tensors += pending.H_K.tensors() + pending.H_C.tensors()
-        device = self.param_groups[0]["params"][0].device
-        return inputs_verdict(tensors, found_inf, device)
 
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.

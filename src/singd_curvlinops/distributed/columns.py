@@ -27,6 +27,12 @@ The preconditioned gradient is a sum over the blocks,
 \(Y_r\) (`partial_direction`) in the step's `all_gather`, every rank adds the
 terms in rank order and applies \(C C^\top\) (`finish_direction`), so every
 rank applies the same numbers.
+
+The step guard (`singd_curvlinops.guard`) covers these layers only in part:
+\(C\)'s update goes through `update.factor_step` (trust region, discarded if not
+finite), but the blocks of \(K\) take the plain step \(K_r \gets K_r - \beta_1
+K (m_K)_{:,J_r}\), without the trust region or the discard (the guide page
+"Failure modes" says so); their parameter steps are checked as every layer's.
 """
 
 from __future__ import annotations
@@ -300,7 +306,8 @@ def _update_C(
         *side_C, trace_H_other=traces_K[0], trace_KtK_other=traces_K[1], hyper=hyper
     )
     C, m_C = load_factor(state, "C", name), load_factor(state, "m_C", name)
-    store_factor(state, "m_C", factor_step(C, m_C, increment, hyper))
+    m_C_new, _ = factor_step(C, m_C, increment, hyper)  # (its verdict: see module)
+    store_factor(state, "m_C", m_C_new)
 
 
 def partial_direction(stepper: Any, layer: Layer, grad: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from curvlinops import FisherType, KFACLinearOperator
 from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import EKFAC, KFAC, SINGD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = str(Path(__file__))
@@ -332,6 +332,29 @@ def test_a_step_skipped_as_a_whole_is_counted_and_named() -> None:
     assert text.splitlines()[1].split()[-2:] == ["skipped", "discarded"]
     assert _step(model, opt, *batches[3]) == []  # the next step is step 3 again
     assert opt.state[model[0].weight]["step"] == 3
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC], ids=lambda cls: cls.__name__)
+def test_kfac_and_ekfac_skip_a_non_finite_step_without_raising(cls) -> None:
+    """The update runs on the device before the verdict is read: KFAC's averages
+    and EKFAC's eigendecomposition see NaN statistics and must not raise."""
+    model = _mlp()
+    opt = cls(model, lr=0.05, T=1, damping=0.1)
+    batches = _batches(4)
+    _step(model, opt, *batches[0])
+    before = _state(opt, model)
+    X, Y = batches[1]
+    record = _step(model, opt, X.clone().fill_(math.nan), Y)
+
+    assert _messages(record) == [
+        f"{cls.__name__} skipped step 2: non-finite gradients or statistics (the "
+        "loss or an activation overflowed, or a GradScaler found infinities). "
+        "Parameters, factors and momenta are unchanged."
+    ]
+    names = [name for name, _ in model.named_parameters()]
+    assert _changed(before, _state(opt, model)) == {f"{n}:skipped_steps" for n in names}
+    assert _step(model, opt, *batches[2]) == []
+    assert opt.state[model[0].weight]["updates"] == 2
 
 
 def test_a_skipped_step_keeps_the_handed_over_curvature() -> None:

@@ -31,7 +31,13 @@ from torch.nn import Module, Parameter
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
-from singd_curvlinops import _curvlinops, checkpoint, distributed, parameter_update
+from singd_curvlinops import (
+    _curvlinops,
+    checkpoint,
+    distributed,
+    parameter_update,
+    verdicts,
+)
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
@@ -41,7 +47,6 @@ from singd_curvlinops.layers.layer_set import LayerSet
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
-from singd_curvlinops.verdicts import DISCARDED, SKIPPED, inputs_verdict, most, total
 
 
 class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
@@ -190,26 +195,23 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps in which the guard skipped an update, for the most skipped parameter.
+        """Steps whose update the guard skipped, for the most skipped parameter.
 
-        A step skipped as a whole (non-finite gradients or statistics) counts for
-        every parameter, one skipped layer or fallback update for its parameters
-        (`describe()` shows each layer's count). Checkpointed as the
-        `"skipped_steps"` entry of each parameter's state (see the guide page
-        "Failure modes").
+        A step skipped as a whole counts for every parameter (per layer in
+        `describe()`; in the state: each parameter's `"skipped_steps"`).
         """
         params = [p for group in self.param_groups for p in group["params"]]
-        return most((self.state[p] for p in params if p in self.state), SKIPPED)
+        states = [self.state[p] for p in params if p in self.state]
+        return verdicts.most(states, verdicts.SKIPPED)
 
     @property
     def discarded_factor_updates(self) -> int:
-        """Factor updates the guard discarded (not finite), summed over the layers.
+        """Factor updates the guard discarded, summed over the layers.
 
-        Checkpointed as the `"discarded_factor_updates"` entry of each layer's
-        weight's state.
+        In the state: each layer weight's `"discarded_factor_updates"`.
         """
-        weights = [layer.weight for layer in self._layers]
-        return total((self.state[w] for w in weights if w in self.state), DISCARDED)
+        states = [self.state[layer.weight] for layer in self._layers]
+        return verdicts.total(states, verdicts.DISCARDED)
 
     def _collection_plan(self, layer: Layer) -> CollectionPlan | None:
         """Tell the collector what to collect for a layer's forward call.
@@ -391,7 +393,7 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         for pending in self._collector.pending.values():
             tensors += pending.H_K.tensors() + pending.H_C.tensors()
         device = self.param_groups[0]["params"][0].device
-        return inputs_verdict(tensors, found_inf, device)
+        return verdicts.inputs_verdict(tensors, found_inf, device)
 
     def _due(self, layer: Layer) -> bool:
         """Return whether a layer's factors update at its next step.
@@ -438,6 +440,9 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         )
         super().load_state_dict(state_dict)
         checkpoint.restore_factors(self.state, factors)
+        params = [p for group in self.param_groups for p in group["params"]]
+        weights = [layer.weight for layer in self._layers]
+        verdicts.init_counters(self.state, params, weights)
         self._collector.clear()
         self._records.clear()
         self._distribution.loaded(self.state, self._rule)

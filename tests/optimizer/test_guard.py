@@ -183,7 +183,7 @@ def test_an_overflowing_factor_update_is_discarded(lr_cov) -> None:
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=0)
     assert not torch.equal(weight.detach(), before["0.weight"][0])
     assert (opt.discarded_factor_updates, opt.skipped_steps) == (1, 0)
-    assert state["discarded_factor_updates"] == 1 and "skipped_steps" not in state
+    assert (state["discarded_factor_updates"], state["skipped_steps"]) == (1, 0)
 
     # ordinary batches: the factors update again, nothing more is discarded
     for _ in range(3):
@@ -396,9 +396,34 @@ def test_counters_survive_checkpoints_and_legacy_checkpoints_start_at_zero(
 
     record = torch.load(LEGACY, weights_only=True)["singd-dense"]
     cls, options, dtype = CONFIGURATIONS["singd-dense"]
-    legacy = cls(make_model(dtype), **options)
+    model = make_model(dtype)
+    legacy = cls(model, **options)
+    saved = record["optimizer"]["state"]
+    assert not any(
+        "skipped_steps" in s or "discarded_factor_updates" in s for s in saved.values()
+    )
     legacy.load_state_dict(record["optimizer"])
     assert (legacy.skipped_steps, legacy.discarded_factor_updates) == (0, 0)
+    # every parameter holds its counters again (a DCP template must have them)
+    assert all(legacy.state[p]["skipped_steps"] == 0 for p in model.parameters())
+    assert all(
+        legacy.state[layer.weight]["discarded_factor_updates"] == 0
+        for layer in legacy.layers
+    )
+
+
+def test_a_fresh_state_dict_holds_the_counters_at_zero() -> None:
+    """So that a `torch.distributed.checkpoint` load, which reads the keys of the
+    loading optimizer's state dict, restores them."""
+    model = _mlp(nn.LayerNorm(6))
+    opt = SINGD(model)
+    state = opt.state_dict()["state"]
+    assert len(state) == len(list(model.parameters()))
+    assert all(entry["skipped_steps"] == 0 for entry in state.values())
+    ordered = [p for group in opt.param_groups for p in group["params"]]
+    weights = {layer.weight for layer in opt.layers}
+    weights = [i for i, p in enumerate(ordered) if p in weights]
+    assert all(state[i]["discarded_factor_updates"] == 0 for i in weights)
 
 
 # ------------------------------------------------------------ host reads

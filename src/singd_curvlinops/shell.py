@@ -392,7 +392,8 @@ class KroneckerOptimizer(Registration, CopiesWithModel, Optimizer):
         tensors = [p.grad for p in params if p.grad is not None and found_inf is None]
         for pending in self._collector.pending.values():
             tensors += pending.H_K.tensors() + pending.H_C.tensors()
-        device = self.param_groups[0]["params"][0].device
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        device = torch.device("cpu") if first is None else first.device
         return verdicts.inputs_verdict(tensors, found_inf, device)
 
     def _due(self, layer: Layer) -> bool:

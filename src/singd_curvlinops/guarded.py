@@ -8,6 +8,7 @@ optimizer's state, where they are checkpointed.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -56,5 +57,6 @@ class GuardedSteps:
         tensors = [p.grad for p in params if p.grad is not None and found_inf is None]
         for pending in self._collector.pending.values():
             tensors += pending.H_K.tensors() + pending.H_C.tensors()
-        device = self.param_groups[0]["params"][0].device
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        device = torch.device("cpu") if first is None else first.device
         return inputs_verdict(tensors, found_inf, device)

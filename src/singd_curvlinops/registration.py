@@ -19,6 +19,7 @@ from singd_curvlinops._warnings import warn
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.layers.layer_set import unowned_message
 from singd_curvlinops.rules.fallback import FALLBACK_RULES
+from singd_curvlinops.verdicts import init_counters
 
 
 class Registration:
@@ -94,6 +95,9 @@ class Registration:
             self.state[param].update(
                 FALLBACK_RULES[group["fallback"]].init_state(param)
             )
+        owned = [p for layer in layers for p in layer.params]
+        weights = [layer.weight for layer in layers]
+        init_counters(self.state, owned + list(unowned), weights)
 
     def _init_all_states(self) -> None:
         """Give every layer and fallback parameter its initial state (a fresh start)."""

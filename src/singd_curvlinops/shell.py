@@ -37,6 +37,7 @@ from singd_curvlinops import (
     checkpoint_validation,
     distributed,
     parameter_update,
+    verdicts,
 )
 from singd_curvlinops._hyperparameters import check_positive
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
@@ -437,6 +438,9 @@ class KroneckerOptimizer(
         if plan.fresh:
             self._init_all_states()
         self._options.forget()
+        params = [p for group in self.param_groups for p in group["params"]]
+        weights = [layer.weight for layer in self._layers]
+        verdicts.init_counters(self.state, params, weights)
         self._collector.clear()
         self._records.clear()
         self._distribution.loaded(self.state, self._rule)

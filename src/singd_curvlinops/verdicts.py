@@ -5,8 +5,9 @@ form them without a host read, `choose` applies one to in-place changes
 (`torch.where`), a `Verdict` record keeps it with the host numbers to restore if
 it fails. The counters live in the optimizer state of the parameters: each
 parameter's `"skipped_steps"` (steps in which its update was skipped) and each
-layer weight's `"discarded_factor_updates"`, plain ints, absent until the first
-event (so that checkpoints written before them load with the counts at 0).
+layer weight's `"discarded_factor_updates"`, plain ints created at 0 with the
+rest of the state (`init_counters`; also after loading a checkpoint written
+before them).
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ def count(state: dict[str, Any], key: str) -> None:
         key: `SKIPPED` or `DISCARDED`.
     """
     state[key] = state.get(key, 0) + 1
+
+
+def init_counters(
+    state: Mapping[Any, dict[str, Any]], params: Iterable[Any], weights: Iterable[Any]
+) -> None:
+    """Give every parameter its counters (0 where they are missing).
+
+    Created with the rest of the state, so that a `torch.distributed.checkpoint`
+    template of a fresh optimizer holds them, and after loading a checkpoint that
+    predates them.
+
+    Args:
+        state: The optimizer's state.
+        params: Its trainable parameters (`SKIPPED`).
+        weights: Its layers' weights (`DISCARDED`).
+    """
+    for param in params:
+        state[param].setdefault(SKIPPED, 0)
+    for weight in weights:
+        state[weight].setdefault(DISCARDED, 0)
 
 
 def total(states: Iterable[Mapping[str, Any]], key: str) -> int:

@@ -110,7 +110,12 @@ def test_default_trains_every_parameter_without_warning() -> None:
         assert not torch.equal(p, q)
     assert set(optimizer.fallback_params) == set(_norms(model))
     for p in _norms(model):
-        assert set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert set(optimizer.state[p]) == {
+            "step",
+            "exp_avg",
+            "exp_avg_sq",
+            "skipped_steps",  # the step guard's count (issue 16)
+        }
 
 
 def test_parameters_outside_the_model_go_to_the_fallback() -> None:

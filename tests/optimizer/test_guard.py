@@ -26,7 +26,7 @@ from curvlinops import FisherType, KFACLinearOperator
 from torch import Tensor, nn
 from torch.nn.functional import mse_loss
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import EKFAC, KFAC, SINGD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = str(Path(__file__))
@@ -183,7 +183,7 @@ def test_an_overflowing_factor_update_is_discarded(lr_cov) -> None:
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=0)
     assert not torch.equal(weight.detach(), before["0.weight"][0])
     assert (opt.discarded_factor_updates, opt.skipped_steps) == (1, 0)
-    assert state["discarded_factor_updates"] == 1 and "skipped_steps" not in state
+    assert (state["discarded_factor_updates"], state["skipped_steps"]) == (1, 0)
 
     # ordinary batches: the factors update again, nothing more is discarded
     for _ in range(3):
@@ -334,6 +334,29 @@ def test_a_step_skipped_as_a_whole_is_counted_and_named() -> None:
     assert opt.state[model[0].weight]["step"] == 3
 
 
+@pytest.mark.parametrize("cls", [KFAC, EKFAC], ids=lambda cls: cls.__name__)
+def test_kfac_and_ekfac_skip_a_non_finite_step_without_raising(cls) -> None:
+    """The update runs on the device before the verdict is read: KFAC's averages
+    and EKFAC's eigendecomposition see NaN statistics and must not raise."""
+    model = _mlp()
+    opt = cls(model, lr=0.05, T=1, damping=0.1)
+    batches = _batches(4)
+    _step(model, opt, *batches[0])
+    before = _state(opt, model)
+    X, Y = batches[1]
+    record = _step(model, opt, X.clone().fill_(math.nan), Y)
+
+    assert _messages(record) == [
+        f"{cls.__name__} skipped step 2: non-finite gradients or statistics (the "
+        "loss or an activation overflowed, or a GradScaler found infinities). "
+        "Parameters, factors and momenta are unchanged."
+    ]
+    names = [name for name, _ in model.named_parameters()]
+    assert _changed(before, _state(opt, model)) == {f"{n}:skipped_steps" for n in names}
+    assert _step(model, opt, *batches[2]) == []
+    assert opt.state[model[0].weight]["updates"] == 2
+
+
 def test_a_skipped_step_keeps_the_handed_over_curvature() -> None:
     model = _mlp()
     X, Y = _batches(1)[0]
@@ -373,9 +396,34 @@ def test_counters_survive_checkpoints_and_legacy_checkpoints_start_at_zero(
 
     record = torch.load(LEGACY, weights_only=True)["singd-dense"]
     cls, options, dtype = CONFIGURATIONS["singd-dense"]
-    legacy = cls(make_model(dtype), **options)
+    model = make_model(dtype)
+    legacy = cls(model, **options)
+    saved = record["optimizer"]["state"]
+    assert not any(
+        "skipped_steps" in s or "discarded_factor_updates" in s for s in saved.values()
+    )
     legacy.load_state_dict(record["optimizer"])
     assert (legacy.skipped_steps, legacy.discarded_factor_updates) == (0, 0)
+    # every parameter holds its counters again (a DCP template must have them)
+    assert all(legacy.state[p]["skipped_steps"] == 0 for p in model.parameters())
+    assert all(
+        legacy.state[layer.weight]["discarded_factor_updates"] == 0
+        for layer in legacy.layers
+    )
+
+
+def test_a_fresh_state_dict_holds_the_counters_at_zero() -> None:
+    """So that a `torch.distributed.checkpoint` load, which reads the keys of the
+    loading optimizer's state dict, restores them."""
+    model = _mlp(nn.LayerNorm(6))
+    opt = SINGD(model)
+    state = opt.state_dict()["state"]
+    assert len(state) == len(list(model.parameters()))
+    assert all(entry["skipped_steps"] == 0 for entry in state.values())
+    ordered = [p for group in opt.param_groups for p in group["params"]]
+    weights = {layer.weight for layer in opt.layers}
+    weights = [i for i, p in enumerate(ordered) if p in weights]
+    assert all(state[i]["discarded_factor_updates"] == 0 for i in weights)
 
 
 # ------------------------------------------------------------ host reads

@@ -117,6 +117,9 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     _equivalence(results, CASES_W2)
     for distribute in ("shard", "owned"):
         _resume(results, out, Case(SPARSE, distribute=distribute), distribute)
+    # grafting moments are every rank's (regression: dropped on non-owners at load)
+    grafted = Case({**SPARSE, "graft": "adamw"}, distribute="owned")
+    _resume(results, out, grafted, "owned-graft")
     _resume(results, out, Case(SPARSE, "fsdp"), "fsdp", files=False)
     for saved, loaded in (
         ("replicate", "shard"),

@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import FactorRule, SINGDRule
 from singd_curvlinops.structures import get_structure
 
 
@@ -289,3 +291,42 @@ def column_layers(
         for index, ((n_K, _), ok) in enumerate(zip(entries, eligible, strict=True))
         if ok and 1 < world_size <= math.isqrt(n_K) and n_K > share
     )
+
+
+def assign_layers(
+    layers: Sequence[Layer],
+    groups: Sequence[dict],
+    rule: FactorRule,
+    world: int,
+    *,
+    owned: bool,
+    share_factors: bool,
+) -> dict[Layer, Assignment]:
+    r"""Assign the layers' work to `world` ranks from their options (module docs).
+
+    Args:
+        layers: The layers.
+        groups: The parameter groups.
+        rule: The factor rule (whether sides may split).
+        world: The number of ranks.
+        owned: Whether only owners keep factors (`Shard(factors="owned")`): sides
+            are not split, and SINGD may split a dense \(K\) by column blocks.
+        share_factors: Whether every rank preconditions (`share="factors"`):
+            then only the factor updates are balanced.
+
+    Returns:
+        Per layer, its assignment.
+    """
+    splits = rule.splits_sides and not owned
+    costs, entries, columns = [], [], []
+    for layer in layers:
+        group = layer.options(groups[layer.group_index])
+        structures = rule.structures(group)
+        cost = layer_cost(structures, layer.dims, group["T"], splits)
+        if share_factors:
+            cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
+        costs.append(cost)
+        entries.append(tuple(map(stored_entries, structures, layer.dims)))
+        dense_K = structures[0] == "dense"
+        columns.append(owned and type(rule) is SINGDRule and dense_K)
+    return dict(zip(layers, assign(costs, world, entries, columns), strict=True))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
@@ -38,12 +37,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import collectives, ownership
-from singd_curvlinops.distributed.assignment import (
-    Assignment,
-    assign,
-    layer_cost,
-    stored_entries,
-)
+from singd_curvlinops.distributed.assignment import Assignment, assign_layers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
     check_same_step,
@@ -54,7 +48,7 @@ from singd_curvlinops.distributed.exchange import StatisticsExchange, describe_l
 from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorRule, SINGDRule
+from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
@@ -368,19 +362,14 @@ class Shard(DistributionStrategy):
         Returns:
             Per layer, its assignment.
         """
-        splits = rule.splits_sides and not self._owned
-        costs, entries, columns = [], [], []
-        for layer in layers:
-            group = layer.options(groups[layer.group_index])
-            structures = rule.structures(group)
-            cost = layer_cost(structures, layer.dims, group["T"], splits)
-            if self.share == "factors":  # every rank preconditions: balance updates
-                cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
-            costs.append(cost)
-            entries.append(tuple(map(stored_entries, structures, layer.dims)))
-            dense_K = structures[0] == "dense"  # SINGD may split it by column blocks
-            columns.append(self._owned and type(rule) is SINGDRule and dense_K)
-        return dict(zip(layers, assign(costs, world, entries, columns), strict=True))
+        return assign_layers(
+            layers,
+            groups,
+            rule,
+            world,
+            owned=self._owned,
+            share_factors=self.share == "factors",
+        )
 
     def statistics_owners(
         self, due: Sequence[Layer], rule: FactorRule

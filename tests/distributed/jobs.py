@@ -232,13 +232,15 @@ def _bytes(results: dict[str, Any]) -> None:
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the float all-reduces, all-gathers and reduces made."""
-    originals = dist.all_reduce, dist.all_gather, dist.reduce
-    recorded = {"all_reduce": [], "all_gather": [], "reduce": []}
+    """Return the bytes of the float all-reduces, all-gathers and all-to-alls made."""
+    originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single
+    recorded = {"all_reduce": [], "all_gather": [], "all_to_all": []}
 
-    def reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        recorded["reduce"].append(tensor.numel() * tensor.element_size())
-        return originals[2](tensor, *args, **kwargs)
+    def all_to_all_single(
+        output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        recorded["all_to_all"].append(tensor.numel() * tensor.element_size())
+        return originals[2](output, tensor, *args, **kwargs)
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if tensor.is_floating_point():
@@ -253,11 +255,12 @@ def _recorded(function: Any) -> dict[str, int]:
         )
         return originals[1](tensors, tensor, *args, **kwargs)
 
-    dist.all_reduce, dist.all_gather, dist.reduce = all_reduce, all_gather, reduce
+    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    dist.all_to_all_single = all_to_all_single
     try:
         function()
     finally:
-        dist.all_reduce, dist.all_gather, dist.reduce = originals
+        dist.all_reduce, dist.all_gather, dist.all_to_all_single = originals
     return recorded
 
 

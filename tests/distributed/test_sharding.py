@@ -181,14 +181,14 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
             reported = result[f"bytes/{name}/{step}/reported"]
             gathered = [reported["gather"]] if reported["gather"] else []
             assert recorded["all_gather"] == gathered
-            statistics = recorded["all_reduce"] + recorded["reduce"]
+            statistics = recorded["all_reduce"] + recorded["all_to_all"]
             assert sum(statistics) == (reported["statistics"] if step == 0 else 0)
             if name == "owned" or step == 1:  # one all-reduce, or nothing
-                assert recorded["reduce"] == []
+                assert recorded["all_to_all"] == []
                 assert len(recorded["all_reduce"]) == (step == 0)
-            else:  # one small all-reduce, one reduce per owner (both ranks own)
+            else:  # one small all-reduce, one all-to-all to the owners
                 assert len(recorded["all_reduce"]) == 1
-                assert len(recorded["reduce"]) == 2
+                assert len(recorded["all_to_all"]) == 1
     update, plain = (w2[0][f"bytes/{name}/{step}/reported"] for step in (0, 1))
     assert update["gather"] > 0 and update["statistics"] > 0
     if name == "factors":  # between updates nothing travels

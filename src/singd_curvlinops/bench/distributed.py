@@ -340,7 +340,7 @@ def preamble(args: Any) -> str:
         "interleaved. `factor state/rank`: the rule's entries (factors, momenta) "
         "of the process that holds the most; `statistics`: the statistics "
         "exchange of an update step (an all-reduce under replicate; under shard "
-        "each side's statistics reduced to its owner); `gathered`: the "
+        "each side's statistics sent to its owner in one all-to-all); `gathered`: the "
         "all_gather(s) of an update step and of "
         "another step (what every process receives); `MiB/step`: all of it "
         "averaged over T steps, without DDP's gradient all-reduce."

@@ -3,8 +3,8 @@ r"""The bytes an optimizer's collectives move per step, computed without running
 - **statistics**: the all-reduce of every update step: the stored entries of each
   layer's \(H_K\), \(H_C\) and an example count (`bytes_per_update`); dense
   \(U_K\), \(U_C\) under `Shard(factors="owned")`; under `Shard` with
-  replicated factors the entries are reduced to their owners instead, one
-  buffer per owner (`owner_statistics`), the counts in a small all-reduce.
+  replicated factors the entries are reduced to their owners instead, in one
+  all-to-all (`owner_statistics`), the counts in a small all-reduce.
 - **gather**: the `all_gather` of a sharded step (see `engine`): every rank
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Layers whose \(K\) is split by
@@ -47,8 +47,8 @@ def bytes_per_update(optimizer: Any) -> int:
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
         each side to its owner (`owner_statistics`) the same entries travel in
-        one buffer per owner, and 4 float64 numbers per layer in a small
-        all-reduce instead of the count.
+        one all-to-all (each rank's buffer, its own part included), and 4
+        float64 numbers per layer in a small all-reduce instead of the count.
     """
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"

@@ -3,18 +3,23 @@ r"""`Shard`'s statistics exchange: each side's statistics reduced to its owner o
 Under `Shard(factors="replicated")` only the rank that updates a side reads that
 side's statistics (`engine`): the others keep their factors from the step's
 `all_gather`. Instead of all-reducing every layer's \(H_K\), \(H_C\) to every
-rank (`exchange.all_reduce_statistics`), each rank packs, per destination rank,
-the stored entries of the sides that rank owns into one flat buffer and
-`reduce`s it there (sum); a side's owner then holds exactly the combined
-statistics of the all-reduce,
+rank (`exchange.all_reduce_statistics`), each rank packs the stored entries of
+its sides into one flat buffer, grouped by the rank that owns them, and one
+`all_to_all_single` delivers every group to its owner, which adds up the \(P\)
+parts it receives (its own included) in rank order: a reduce-scatter with parts
+of different sizes, where every number crosses the wire once. (It replaced one
+`reduce` per owner: on two gloo processes, the MLP benchmark's statistics took
+10.5-12.4 ms that way and 8.7-9.4 ms this way, with the packing and the probe
+below: medians of three runs of 40 calls each, the two interleaved.) A side's
+owner then holds exactly the combined statistics of the all-reduce,
 
 \[
 H_K = \frac{\sum_r N_r\, H_{K,r}}{\sum_r N_r}, \qquad
 H_C = \frac{1}{P^2} \sum_r H_{C,r}
 \]
 
-(added in the backend's order, which may differ from the all-reduce's in the
-last bit for \(P > 2\)). One small all-reduce of 4 numbers per layer carries
+(added in rank order, which may differ from the all-reduce's in the last bit
+for \(P > 2\)). One small all-reduce of 4 numbers per layer carries
 what every rank needs:
 
 - the example count \(N_r\): every rank learns \(N\), and drops a layer that
@@ -23,8 +28,9 @@ what every rank needs:
   of one side of a split layer reads the other side's average trace
   (`SINGDRule.update`), and gets it as \(\bar{\mathrm{tr}}(H) I\) with the
   combined trace (average traces add up);
-- a probe, the sum of the layer's packed entries: it is non-finite on every rank
-  iff some rank's statistics hold an infinity or NaN, and then every rank fills
+- a probe of the layer's packed entries, 0 if they are all finite and NaN
+  otherwise (`_probe`): it is non-finite on every rank iff some rank's
+  statistics hold an infinity or NaN, and then every rank fills
   the layer's statistics with NaN, so that all ranks skip the step together as
   they do after the all-reduce (`KroneckerOptimizer`'s finiteness check).
 
@@ -36,6 +42,7 @@ replicated layers keep the all-reduce (`owner_ranks` returns None).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -113,31 +120,34 @@ def reduce_to_owners(
     )
     dtype = torch.float64 if wide else torch.float32
     device = statistics[0][0].device
-    parts: list[list[Tensor]] = [[] for _ in range(processes)]
+    sizes = [0] * processes  # numbers bound for each rank
+    for (H_K, H_C, _), (owner_K, owner_C) in zip(statistics, owners, strict=True):
+        sizes[owner_K] += H_K.numel()
+        sizes[owner_C] += H_C.numel()
+    outgoing = torch.empty(sum(sizes), dtype=dtype, device=device)
+    ends = list(itertools.accumulate([0, *sizes[:-1]]))  # where each rank's part goes
     summary: list[Tensor] = []
     for (H_K, H_C, count), (owner_K, owner_C) in zip(statistics, owners, strict=True):
-        packed_K = [(t.to(dtype) * count).reshape(-1) for t in H_K.tensors()]
-        packed_C = [t.to(dtype).reshape(-1) for t in H_C.tensors()]
-        parts[owner_K] += packed_K
-        parts[owner_C] += packed_C
-        probe = sum(t.sum(dtype=torch.float64) for t in packed_K + packed_C)
+        start_K = ends[owner_K]
+        ends[owner_K] = _pack(outgoing, start_K, H_K, count)
+        start_C = ends[owner_C]
+        ends[owner_C] = _pack(outgoing, start_C, H_C, 1)
+        probe = _probe(
+            outgoing[start_K : ends[owner_K]], outgoing[start_C : ends[owner_C]]
+        )
         summary += [
             torch.tensor(float(count), dtype=torch.float64, device=device),
             H_K.average_trace().to(torch.float64) * count,
             H_C.average_trace().to(torch.float64),
-            torch.as_tensor(probe, dtype=torch.float64, device=device),
+            probe,
         ]
-    buffers = [torch.cat(p) if p else None for p in parts]
     counts = torch.stack(summary)
+    incoming = outgoing.new_empty(processes * sizes[me])
     with named_collective("The statistics reduction of the optimizer's step"):
-        works = [dist.all_reduce(counts, op=dist.ReduceOp.SUM, async_op=True)]
-        works += [
-            dist.reduce(buffer, dst=r, op=dist.ReduceOp.SUM, async_op=True)
-            for r, buffer in enumerate(buffers)
-            if buffer is not None
-        ]
-        for work in works:
-            work.wait()
+        work = dist.all_reduce(counts, op=dist.ReduceOp.SUM, async_op=True)
+        dist.all_to_all_single(incoming, outgoing, [sizes[me]] * processes, sizes)
+        work.wait()
+    mine = incoming.view(processes, sizes[me]).sum(0)  # every rank's part, in order
     combined = counts.view(-1, 4).tolist()  # one synchronisation
     offset, totals = 0, []
     for (H_K, H_C, _), (owner_K, owner_C), (total, trace_K, trace_C, probe) in zip(
@@ -146,7 +156,7 @@ def reduce_to_owners(
         totals.append(round(total))
         for matrix, owner in ((H_K, owner_K), (H_C, owner_C)):
             if owner == me:
-                offset = _unpack(buffers[me], offset, matrix)
+                offset = _unpack(mine, offset, matrix)
         if not totals[-1]:
             continue
         scale_K, scale_C = 1.0 / total, 1.0 / processes**2
@@ -183,18 +193,62 @@ def _finish(
         matrix.mul_(0.0).diag_add_(trace)
 
 
-def _unpack(buffer: Tensor | None, offset: int, matrix: StructuredMatrix) -> int:
+def _probe(*parts: Tensor) -> Tensor:
+    r"""Return 0 if every entry of `parts` is finite, else NaN (a float64 0-d tensor).
+
+    It takes the extremes of each part (one pass, no copy) and multiplies them
+    by 0: an infinity or NaN among the entries makes an extreme non-finite and
+    the product NaN, and finite entries never overflow. (A float64 sum of the
+    entries, as before, converted every entry first: about 1.5 ms of the MLP
+    benchmark's step.)
+
+    Args:
+        parts: Flat tensors (empty ones are skipped).
+
+    Returns:
+        The probe.
+    """
+    extremes = [
+        extreme for part in parts if part.numel() for extreme in torch.aminmax(part)
+    ]
+    if not extremes:
+        return torch.zeros((), dtype=torch.float64, device=parts[0].device)
+    return torch.stack(extremes).to(torch.float64).mul_(0.0).sum()
+
+
+def _pack(buffer: Tensor, offset: int, matrix: StructuredMatrix, scale: int) -> int:
+    r"""Write `scale` times `matrix`'s stored entries into `buffer` at `offset`.
+
+    Args:
+        buffer: The outgoing flat buffer.
+        offset: Position of the matrix's first entry.
+        matrix: The statistics.
+        scale: The example count (\(H_K\)) or 1 (\(H_C\)).
+
+    Returns:
+        The offset after the matrix.
+    """
+    for tensor in matrix.tensors():
+        size = tensor.numel()
+        part = buffer[offset : offset + size].view_as(tensor)
+        part.copy_(tensor)  # in the buffer's dtype, then scaled there
+        if scale != 1:
+            part.mul_(scale)
+        offset += size
+    return offset
+
+
+def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
     """Copy the next entries of `buffer` into `matrix`'s stored tensors.
 
     Args:
-        buffer: This rank's reduced buffer.
+        buffer: This rank's combined part.
         offset: Position of the matrix's first entry.
         matrix: Receives the values (overwritten in place).
 
     Returns:
         The offset after the matrix.
     """
-    assert buffer is not None  # an owner always has a buffer
     for tensor in matrix.tensors():
         size = tensor.numel()
         tensor.copy_(buffer[offset : offset + size].view_as(tensor))

@@ -28,6 +28,7 @@ from singd_curvlinops.bench.distributed import (
 )
 from singd_curvlinops.distributed import bytes_per_step
 from tests.distributed.harness import (
+    BATCH,
     DENSE,
     IKFAC,
     KFAC_OPTIONS,
@@ -52,6 +53,7 @@ CASES_W2 = {
     "ikfac": Case(IKFAC),
     "kfac": Case(KFAC_OPTIONS, kfac=True),
     "accumulate": Case(SPARSE, "accumulate"),
+    "accumulate_dense": Case(DENSE, "accumulate"),  # statistics rows stack
     "factors_dense": Case(DENSE, distribute="factors"),
     "factors_sparse": Case(SPARSE, distribute="factors"),
     "owned_dense": Case(DENSE, distribute="owned"),
@@ -215,20 +217,28 @@ def _cross(results: dict, out: Path, saved_under: str, loaded_under: str) -> Non
 # ---------------------------------------------------------------------- bytes
 def _bytes(results: dict[str, Any]) -> None:
     """Record the floating-point collectives of an update and a plain step."""
+    local = BATCH // dist.get_world_size()
     for name, case in (
         ("shard", Case(SPARSE)),
+        ("shard_dense", Case({**DENSE, "T": 2})),  # statistics as rows (gram_rows)
         ("owned", Case(SPARSE, distribute="owned")),
         ("factors", Case(SPARSE, distribute="factors")),
     ):
         model = build_model(case.model)
         net = wrap(case, model)
         optimizer = make_optimizer(case, net)
+        # rows of statistics per rank: the convolution's 4 x 4 output positions
+        rows = {
+            layer.name: local * (16 if layer.weight.dim() == 4 else 1)
+            for layer in optimizer.layers
+        }
         for step in range(2):  # T = 2: an update step, then a plain one
             recorded = _recorded(partial(train_step, case, net, optimizer, step))
             results[f"bytes/{name}/{step}"] = recorded
             results[f"bytes/{name}/{step}/reported"] = bytes_per_step(
-                optimizer, update=step == 0
+                optimizer, update=step == 0, rows=rows
             )
+        results[f"bytes/{name}/dense"] = bytes_per_step(optimizer, update=True)
 
 
 def _recorded(function: Any) -> dict[str, int]:

@@ -173,7 +173,7 @@ def test_checkpoints_load_across_strategies(
 
 
 # ------------------------------------------------------------------------ bytes
-@pytest.mark.parametrize("name", ["shard", "owned", "factors"])
+@pytest.mark.parametrize("name", ["shard", "shard_dense", "owned", "factors"])
 def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
     for result in w2:
         for step in (0, 1):
@@ -190,6 +190,11 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
                 assert len(recorded["all_reduce"]) == 1
                 assert len(recorded["all_to_all"]) == 1
     update, plain = (w2[0][f"bytes/{name}/{step}/reported"] for step in (0, 1))
+    dense = w2[0][f"bytes/{name}/dense"]["statistics"]
+    if name == "shard_dense":  # the linear layers' statistics travel as rows
+        assert update["statistics"] < dense / 2
+    else:  # no dense side of SINGD or KFAC under Shard: nothing travels as rows
+        assert update["statistics"] == dense
     assert update["gather"] > 0 and update["statistics"] > 0
     if name == "factors":  # between updates nothing travels
         assert plain["gather"] == 0

@@ -201,7 +201,7 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     checks = 16 + 4 * verdicts
     assert plain == {"statistics": 0, "gather": 2 * max(shares) * 8, "checks": checks}
     update = bytes_per_step(optimizer, update=True, world_size=2)
-    assert update["statistics"] == bytes_per_update(optimizer)
+    assert update["statistics"] == bytes_per_update(optimizer, world_size=2)
     assert update["gather"] > plain["gather"]  # the updated factors travel too
     owned = SINGD(
         _model(), structures=("diagonal", "diagonal"), distribute=Shard(factors="owned")

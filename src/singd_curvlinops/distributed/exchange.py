@@ -49,6 +49,7 @@ from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed.collectives import named_collective, world_size
+from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.owner_statistics import Owners, reduce_to_owners
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.per_example import ExampleGradients
@@ -210,13 +211,17 @@ class StatisticsExchange:
                 if self._per_example:
                     record.examples = ExampleGradients()
             records.append(record)
-        statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
         owners = None if self._owners is None else self._owners(due)
-        totals = (
-            all_reduce_statistics(statistics)
-            if owners is None
-            else reduce_to_owners(statistics, owners)
-        )
+        if owners is None:  # statistics kept as rows are formed for the all-reduce
+            for record in records:
+                record.H_K, record.H_C = map(as_structured, (record.H_K, record.H_C))
+        statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
+        if owners is None:
+            totals = all_reduce_statistics(statistics)
+        else:
+            totals, kept = reduce_to_owners(statistics, owners)
+            for record, (H_K, H_C) in zip(records, kept, strict=True):
+                record.H_K, record.H_C = H_K, H_C
         for layer, record, total in zip(due, records, totals, strict=True):
             if total == 0:
                 pending.pop(layer, None)

@@ -67,6 +67,8 @@ class DistributionStrategy:
     one optimizer (`resolve` copies it).
     """
 
+    keeps_rows = False  # whether hooks may keep statistics as rows (`gram_rows`)
+
     def __init__(self) -> None:
         self._verified = ""
 
@@ -294,6 +296,11 @@ class Shard(DistributionStrategy):
             `factors="owned"`), or None.
         """
         return ownership.dense_statistics if self._owned and world_size() > 1 else None
+
+    @property
+    def keeps_rows(self) -> bool:  # type: ignore[override]
+        """Whether the hooks keep dense statistics as rows (owners form them)."""
+        return not self._owned and world_size() > 1
 
     def check_holds(self, layer: Layer) -> None:
         """Raise a `ValueError` if only the owner keeps the layer's factors.

@@ -59,18 +59,25 @@ def bytes_per_update(
         `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
-        each side to its owner (`owner_statistics`) the same entries travel in
-        one all-to-all (each process's buffer, its own part included), or the
-        side's rows \(B\) (`gram_rows`: `rows` times \(d\) numbers) where
-        all processes together have fewer rows than \(d\); and a summary
+        each side to its owner (`owner_statistics`; with owned factors unless a
+        layer is split by column blocks) the same entries travel in one
+        all-to-all (each process's buffer, its own part included), or the
+        side's rows (`gram_rows`: `rows` times \(d\) numbers) where all
+        processes together have fewer rows than \(d\); and a summary
         all-reduce of \(6 + 2P\) float64 numbers per layer.
     """
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     world = world_size or collectives.world_size()
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
+    columns = dense and any(  # a layer split by column blocks: the all-reduce
+        assignment.columns
+        for assignment in strategy.assignments(
+            layers, optimizer.param_groups, optimizer.rule, max(world, 2)
+        ).values()
+    )
     to_owners = (
         isinstance(strategy, Shard)
-        and not dense
+        and not columns
         and not optimizer.rule.per_example
         and not any(layer.twin is not None or layer.swapped for layer in layers)
     )
@@ -79,7 +86,9 @@ def bytes_per_update(
         structures = ("dense", "dense") if dense else group["structures"]
         dtype = torch.promote_types(*layer.factor_dtypes(group))
         local = rows.get(layer.name) if isinstance(rows, Mapping) else rows
-        kept = to_owners and local is not None and applies(layer, optimizer.rule, group)
+        # owned factors: the raw rows of any layer; else rows B of dense sides
+        eligible = dense or applies(layer, optimizer.rule, group)
+        kept = to_owners and local is not None and eligible
         for name, dim in zip(structures, layer.dims, strict=True):
             as_rows = kept and 0 < local * world < dim
             total += (local * dim if as_rows else stored_entries(name, dim)) * (

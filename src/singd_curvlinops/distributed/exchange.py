@@ -175,6 +175,8 @@ class StatisticsExchange:
         owners: Given the due layers, per layer the ranks that read its \(K\)
             and \(C\) statistics (`Shard`: they are reduced there only, see
             `owner_statistics`), or None: all-reduced to every rank.
+        keep_rows: Whether statistics that travel as rows stay rows on their
+            owner (`Shard(factors="owned")`, see `owner_statistics`).
     """
 
     def __init__(
@@ -184,11 +186,13 @@ class StatisticsExchange:
         *,
         per_example: bool = False,
         owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
+        keep_rows: bool = False,
     ):
         self._zeros = zeros
         self._grad_scale = grad_scale
         self._per_example = per_example
         self._owners = owners
+        self._keep_rows = keep_rows
 
     def __call__(
         self, pending: dict[Layer, PendingStatistics], due: Sequence[Layer]
@@ -219,7 +223,9 @@ class StatisticsExchange:
         if owners is None:
             totals = all_reduce_statistics(statistics)
         else:
-            totals, kept = reduce_to_owners(statistics, owners)
+            totals, kept = reduce_to_owners(
+                statistics, owners, keep_rows=self._keep_rows
+            )
             for record, (H_K, H_C) in zip(records, kept, strict=True):
                 record.H_K, record.H_C = H_K, H_C
         for layer, record, total in zip(due, records, totals, strict=True):

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed import collectives, ownership
+from singd_curvlinops.distributed import collectives, gram_rows, ownership
 from singd_curvlinops.distributed.assignment import Assignment, assign_layers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
@@ -139,6 +139,7 @@ class DistributionStrategy:
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
+            keep_rows=isinstance(self, Shard) and self._owned,
         )(pending, due)
 
     def statistics_owners(
@@ -286,16 +287,19 @@ class Shard(DistributionStrategy):
         return self.factors == "owned"
 
     def projection(self, layer: Layer) -> Projection | None:
-        """Return dense statistics if only owners keep factors (else None).
+        """Return the raw rows' statistics if only owners keep factors (else None).
 
         Args:
             layer: The layer.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` as dense matrices (several processes and
-            `factors="owned"`), or None.
+            `(a, g) -> (aᵀa, gᵀg)` kept as the rows `a`, `g` (`gram_rows`; dense
+            matrices for rows that are not a dense tensor), for several
+            processes and `factors="owned"`; else None.
         """
-        return ownership.dense_statistics if self._owned and world_size() > 1 else None
+        if not (self._owned and world_size() > 1):
+            return None
+        return gram_rows.project_to_rows(None, ownership.dense_statistics)
 
     @property
     def keeps_rows(self) -> bool:  # type: ignore[override]

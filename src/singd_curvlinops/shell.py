@@ -228,9 +228,8 @@ class KroneckerOptimizer(
             record = self._records(layer, ()) if reads else None
             options = layer.options(group)
             project = partial(self._rule.project, record, group=options)
-            if self._distribution.keeps_rows and gram_rows.applies(
-                layer, self._rule, options
-            ):  # the statistics' owners form them (`distributed.gram_rows`)
+            rows = self._distribution.keeps_rows  # owners form them: `gram_rows`
+            if rows and gram_rows.applies(layer, self._rule, options):
                 project = gram_rows.project_to_rows(record, project)
             if layer.twin is not None:
                 flipped = None if record is None else record.transposed()

@@ -43,7 +43,7 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.fsdp import chunk_rows, is_sharded, local
-from singd_curvlinops.distributed.gram_rows import GramRows, as_structured
+from singd_curvlinops.distributed.gram_rows import as_dense, statistics_on_owner
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -55,7 +55,6 @@ from singd_curvlinops.distributed.layout import (
     side_of,
 )
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorStatistics, KFACRule, SINGDRule
 
 
 class GatheredStep:
@@ -148,7 +147,7 @@ class GatheredStep:
             statistics = self.stepper.take(layer)
             sides = owned_sides(self.plan[layer], self.me)
             if self.dense_statistics and statistics is not None and sides:
-                statistics = _owner_statistics(self.stepper, layer, statistics)
+                statistics = statistics_on_owner(self.stepper, layer, statistics)
             if self.stepper.rule.splits_sides and (sides or self.share_state):
                 self.stepper.update(layer, statistics, sides)  # () advances counters
             elif sides:
@@ -183,7 +182,7 @@ class GatheredStep:
         for layer, is_due in split:
             if is_due:
                 statistics = self.stepper.take(layer)
-                dense = None if statistics is None else _as_dense(statistics)
+                dense = None if statistics is None else as_dense(statistics)
                 pending.append((layer, dense))
         columns.update(self.stepper, pending)
         for layer, is_due in split:
@@ -413,54 +412,3 @@ class GatheredStep:
                 record = self.stepper.preconditioner(layer, (other,))
                 direction = record.apply_side(other, direction, overwrite=True)
         self.stepper.apply(layer, direction.to(weight.dtype))
-
-
-def _as_dense(statistics: FactorStatistics) -> FactorStatistics:
-    r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
-
-    Args:
-        statistics: Collected dense statistics (or already handed over).
-
-    Returns:
-        The same numbers, in the form rules project themselves.
-    """
-    if statistics.collected is None:
-        return statistics
-    return FactorStatistics(
-        handed_over=tuple(as_structured(M).to_dense() for M in statistics.collected)
-    )
-
-
-def _owner_statistics(
-    stepper: Any, layer: Layer, statistics: FactorStatistics
-) -> FactorStatistics:
-    r"""Return the owner's statistics of a layer from the raw rows of all ranks.
-
-    Under `Shard(factors="owned")` the hooks keep the raw rows \(a\),
-    \(\tilde g\) (no rank but the owner holds the factors); where both sides
-    arrived as rows, SINGD and KFAC project them here as their hooks would on one
-    process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
-    rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
-    \(U = R^\top R\)). Otherwise the dense \(U_K\), \(U_C\) are handed over.
-
-    Args:
-        stepper: The shell's `LayerStepper`.
-        layer: A layer this rank owns.
-        statistics: Its statistics after the exchange.
-
-    Returns:
-        Collected (projected) statistics, or handed-over dense ones.
-    """
-    collected = statistics.collected
-    rule = stepper.rule
-    if (
-        collected is not None
-        and type(rule) in (SINGDRule, KFACRule)
-        and all(isinstance(M, GramRows) and M.num_rows is not None for M in collected)
-    ):
-        reads = rule.reads_preconditioner
-        record = stepper.preconditioner(layer, ()) if reads else None
-        a, g = (M.rows for M in collected)
-        projected = rule.project(record, a, g, group=stepper.group(layer))
-        return FactorStatistics(collected=projected)
-    return _as_dense(statistics)

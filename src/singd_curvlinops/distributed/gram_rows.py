@@ -19,6 +19,12 @@ micro-batches (`pending`), which only scales and adds statistics: a scale \(c \g
 rows than \(d\), they are folded into the dense part \(D\) (memory stays at most
 \(d^2\) numbers, as for dense statistics), and the side travels as \(d \times d\)
 numbers (`owner_statistics` decides per side, from every rank's row count).
+
+Under `Shard(factors="owned")` no rank but the owner holds a layer's factors, so
+the hooks keep the raw rows (\(B = a\), `project_to_rows` without factors), the
+owner receives them stacked, and `statistics_on_owner` projects them with the
+rule as one process would; `as_dense` hands dense \(U = B^\top B\) over where
+rows did not travel.
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorRule, KFACRule, Preconditioner, SINGDRule
+from singd_curvlinops.rules import (
+    FactorRule,
+    FactorStatistics,
+    KFACRule,
+    Preconditioner,
+    SINGDRule,
+)
 from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
@@ -224,3 +236,54 @@ def project_to_rows(
         return GramRows(a @ _matrix(K)), GramRows(g @ _matrix(C))
 
     return project
+
+
+def as_dense(statistics: FactorStatistics) -> FactorStatistics:
+    r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
+
+    Args:
+        statistics: Collected dense statistics (or already handed over).
+
+    Returns:
+        The same numbers, in the form rules project themselves.
+    """
+    if statistics.collected is None:
+        return statistics
+    return FactorStatistics(
+        handed_over=tuple(as_structured(M).to_dense() for M in statistics.collected)
+    )
+
+
+def statistics_on_owner(
+    stepper: Any, layer: Layer, statistics: FactorStatistics
+) -> FactorStatistics:
+    r"""Return the owner's statistics of a layer from the raw rows of all ranks.
+
+    Under `Shard(factors="owned")` the hooks keep the raw rows \(a\),
+    \(\tilde g\) (no rank but the owner holds the factors); where both sides
+    arrived as rows, SINGD and KFAC project them here as their hooks would on one
+    process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
+    rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
+    \(U = R^\top R\)). Otherwise the dense \(U_K\), \(U_C\) are handed over.
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: A layer this rank owns.
+        statistics: Its statistics after the exchange.
+
+    Returns:
+        Collected (projected) statistics, or handed-over dense ones.
+    """
+    collected = statistics.collected
+    rule = stepper.rule
+    if (
+        collected is not None
+        and type(rule) in (SINGDRule, KFACRule)
+        and all(isinstance(M, GramRows) and M.num_rows is not None for M in collected)
+    ):
+        reads = rule.reads_preconditioner
+        record = stepper.preconditioner(layer, ()) if reads else None
+        a, g = (M.rows for M in collected)
+        projected = rule.project(record, a, g, group=stepper.group(layer))
+        return FactorStatistics(collected=projected)
+    return as_dense(statistics)

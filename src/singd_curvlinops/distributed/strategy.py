@@ -8,18 +8,15 @@ that depends on how the ranks share work lives here, not in the shell.
   preconditions every layer; the only collective is the statistics all-reduce
   on update steps.
 - `Shard` (`"shard"`): each layer's factor work has an owner (or two, one per
-  side; see `assignment`), each side's statistics are reduced to its owner
-  (`owner_statistics`), and one `all_gather` per step shares the results
-  (see `engine`). With `factors="replicated"` (the default) the owners also
+  side; see `assignment`), each side's statistics (or their rows) reach its
+  owner (`owner_statistics`), and one `all_gather` per step shares the results
+  (`engine`). With `factors="replicated"` (the default) the owners also
   send their updated factors, so every rank keeps every factor (the statistics
   hooks need them); the momenta stay with their owner. `state_dict()` gathers
   what only owners keep, on every rank — a collective: call it on every rank.
-  With `factors="owned"` only the owner keeps a layer's factors; every rank then
-  collects the dense statistics
-  \(U_K = a^\top a\), \(U_C\) (the hooks cannot project without the factors),
-  the owners project them (\(\Pi(K^\top U_K K)\), two more products per side),
-  and layers are not split by sides; a SINGD layer whose dense \(K\) dominates
-  the factor state is split by column blocks over all ranks (`columns`).
+  With `factors="owned"` only the owner keeps a layer's factors (and projects
+  the raw rows: `gram_rows`); layers are not split by sides, but a SINGD layer
+  whose dense \(K\) dominates the factor state is split by column blocks.
 
 Under FSDP2 (`fully_shard`) every strategy preconditions the row shards of the
 gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
@@ -293,8 +290,7 @@ class Shard(DistributionStrategy):
             layer: The layer.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` kept as the rows `a`, `g` (`gram_rows`; dense
-            matrices for rows that are not a dense tensor), for several
+            `(a, g) -> (aᵀa, gᵀg)` kept as the rows (`gram_rows`), for several
             processes and `factors="owned"`; else None.
         """
         if not (self._owned and world_size() > 1):

@@ -43,6 +43,7 @@ from singd_curvlinops._hyperparameters import check_positive
 from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
+from singd_curvlinops.distributed import gram_rows
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.guarded import GuardedSteps
 from singd_curvlinops.layers import Layer, supported_layers
@@ -227,6 +228,9 @@ class KroneckerOptimizer(
             record = self._records(layer, ()) if reads else None
             options = layer.options(group)
             project = partial(self._rule.project, record, group=options)
+            rows = self._distribution.keeps_rows  # owners form them: `gram_rows`
+            if rows and gram_rows.applies(layer, self._rule, options):
+                project = gram_rows.project_to_rows(record, project)
             if layer.twin is not None:
                 flipped = None if record is None else record.transposed()
                 twin_options = layer.twin.options(group)

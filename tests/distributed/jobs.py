@@ -28,6 +28,7 @@ from singd_curvlinops.bench.distributed import (
 )
 from singd_curvlinops.distributed import bytes_per_step
 from tests.distributed.harness import (
+    BATCH,
     DENSE,
     IKFAC,
     KFAC_OPTIONS,
@@ -52,6 +53,7 @@ CASES_W2 = {
     "ikfac": Case(IKFAC),
     "kfac": Case(KFAC_OPTIONS, kfac=True),
     "accumulate": Case(SPARSE, "accumulate"),
+    "accumulate_dense": Case(DENSE, "accumulate"),  # statistics rows stack
     "factors_dense": Case(DENSE, distribute="factors"),
     "factors_sparse": Case(SPARSE, distribute="factors"),
     "owned_dense": Case(DENSE, distribute="owned"),
@@ -215,30 +217,40 @@ def _cross(results: dict, out: Path, saved_under: str, loaded_under: str) -> Non
 # ---------------------------------------------------------------------- bytes
 def _bytes(results: dict[str, Any]) -> None:
     """Record the floating-point collectives of an update and a plain step."""
+    local = BATCH // dist.get_world_size()
     for name, case in (
         ("shard", Case(SPARSE)),
+        ("shard_dense", Case({**DENSE, "T": 2})),  # statistics as rows (gram_rows)
         ("owned", Case(SPARSE, distribute="owned")),
         ("factors", Case(SPARSE, distribute="factors")),
     ):
         model = build_model(case.model)
         net = wrap(case, model)
         optimizer = make_optimizer(case, net)
+        # rows of statistics per rank: the convolution's 4 x 4 output positions
+        rows = {
+            layer.name: local * (16 if layer.weight.dim() == 4 else 1)
+            for layer in optimizer.layers
+        }
         for step in range(2):  # T = 2: an update step, then a plain one
             recorded = _recorded(partial(train_step, case, net, optimizer, step))
             results[f"bytes/{name}/{step}"] = recorded
             results[f"bytes/{name}/{step}/reported"] = bytes_per_step(
-                optimizer, update=step == 0
+                optimizer, update=step == 0, rows=rows
             )
+        results[f"bytes/{name}/dense"] = bytes_per_step(optimizer, update=True)
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the float all-reduces, all-gathers and reduces made."""
-    originals = dist.all_reduce, dist.all_gather, dist.reduce
-    recorded = {"all_reduce": [], "all_gather": [], "reduce": []}
+    """Return the bytes of the float all-reduces, all-gathers and all-to-alls made."""
+    originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single
+    recorded = {"all_reduce": [], "all_gather": [], "all_to_all": []}
 
-    def reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        recorded["reduce"].append(tensor.numel() * tensor.element_size())
-        return originals[2](tensor, *args, **kwargs)
+    def all_to_all_single(
+        output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        recorded["all_to_all"].append(tensor.numel() * tensor.element_size())
+        return originals[2](output, tensor, *args, **kwargs)
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if tensor.is_floating_point():
@@ -253,11 +265,12 @@ def _recorded(function: Any) -> dict[str, int]:
         )
         return originals[1](tensors, tensor, *args, **kwargs)
 
-    dist.all_reduce, dist.all_gather, dist.reduce = all_reduce, all_gather, reduce
+    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    dist.all_to_all_single = all_to_all_single
     try:
         function()
     finally:
-        dist.all_reduce, dist.all_gather, dist.reduce = originals
+        dist.all_reduce, dist.all_gather, dist.all_to_all_single = originals
     return recorded
 
 

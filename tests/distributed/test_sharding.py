@@ -173,7 +173,7 @@ def test_checkpoints_load_across_strategies(
 
 
 # ------------------------------------------------------------------------ bytes
-@pytest.mark.parametrize("name", ["shard", "owned", "factors"])
+@pytest.mark.parametrize("name", ["shard", "shard_dense", "owned", "factors"])
 def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
     for result in w2:
         for step in (0, 1):
@@ -181,15 +181,18 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
             reported = result[f"bytes/{name}/{step}/reported"]
             gathered = [reported["gather"]] if reported["gather"] else []
             assert recorded["all_gather"] == gathered
-            statistics = recorded["all_reduce"] + recorded["reduce"]
+            statistics = recorded["all_reduce"] + recorded["all_to_all"]
             assert sum(statistics) == (reported["statistics"] if step == 0 else 0)
-            if name == "owned" or step == 1:  # one all-reduce, or nothing
-                assert recorded["reduce"] == []
-                assert len(recorded["all_reduce"]) == (step == 0)
-            else:  # one small all-reduce, one reduce per owner (both ranks own)
-                assert len(recorded["all_reduce"]) == 1
-                assert len(recorded["reduce"]) == 2
+            # on an update step a summary all-reduce and an all-to-all to the
+            # owners (owned factors too: no layer is split by column blocks)
+            assert len(recorded["all_reduce"]) == len(recorded["all_to_all"])
+            assert len(recorded["all_to_all"]) == (step == 0)
     update, plain = (w2[0][f"bytes/{name}/{step}/reported"] for step in (0, 1))
+    dense = w2[0][f"bytes/{name}/dense"]["statistics"]
+    if name in ("shard_dense", "owned"):  # the linear layers' travel as rows
+        assert update["statistics"] < dense / 2  # (owned: any rule's raw rows)
+    else:  # no dense side of SINGD or KFAC under Shard: nothing travels as rows
+        assert update["statistics"] == dense
     assert update["gather"] > 0 and update["statistics"] > 0
     if name == "factors":  # between updates nothing travels
         assert plain["gather"] == 0

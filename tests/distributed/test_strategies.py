@@ -201,12 +201,22 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     checks = 16 + 4 * verdicts
     assert plain == {"statistics": 0, "gather": 2 * max(shares) * 8, "checks": checks}
     update = bytes_per_step(optimizer, update=True, world_size=2)
-    assert update["statistics"] == bytes_per_update(optimizer)
+    assert update["statistics"] == bytes_per_update(optimizer, world_size=2)
     assert update["gather"] > plain["gather"]  # the updated factors travel too
     owned = SINGD(
         _model(), structures=("diagonal", "diagonal"), distribute=Shard(factors="owned")
     )
-    assert bytes_per_update(owned) == ((7 * 7 + 5 * 5 + 1) + (6 * 6 + 3 * 3 + 1)) * 8
+    # dense statistics to the owners (rows unknown: counted as matrices), and
+    # the summary all-reduce of 6 + 2P float64 per layer
+    summary = 2 * (6 + 2 * 2) * 8
+    assert (
+        bytes_per_update(owned, world_size=2)
+        == ((7 * 7 + 5 * 5) + (6 * 6 + 3 * 3)) * 8 + summary
+    )
+    # with 2 rows per rank (4 in all) the raw rows of the sides wider than 4
+    # travel, 2 x d numbers each; the 3-dimensional side as its 3 x 3 entries
+    rows = bytes_per_update(owned, world_size=2, rows=2)
+    assert rows == (2 * (7 + 5 + 6) + 3 * 3) * 8 + summary
 
 
 def test_kfacs_statistics_hooks_build_no_preconditioner(

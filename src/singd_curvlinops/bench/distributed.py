@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops import SINGD
@@ -96,14 +96,17 @@ def factor_bytes(optimizer: SINGD) -> int:
     )
 
 
-def _build(setting: Setting) -> tuple[SINGD, Callable[[], Tensor]]:
+def _build(
+    setting: Setting,
+) -> tuple[SINGD, Callable[[], Tensor], dict[str, int]]:
     """Build a setting's optimizer and its training step on this process's share.
 
     Args:
         setting: The configuration.
 
     Returns:
-        The optimizer and a function that runs one step.
+        The optimizer, a function that runs one step, and the rows of its
+        statistics per layer (`statistics_rows`).
     """
     workload = build_workload(setting.model)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,7 +123,47 @@ def _build(setting: Setting) -> tuple[SINGD, Callable[[], Tensor]]:
         distribute=STRATEGIES[setting.strategy],
         **SINGD_HYPERPARAMETERS,
     )
-    return optimizer, lambda: train_step(model, optimizer, inputs, targets)
+    rows = statistics_rows(optimizer, model, inputs)
+    return optimizer, lambda: train_step(model, optimizer, inputs, targets), rows
+
+
+def statistics_rows(optimizer: SINGD, model: nn.Module, inputs: Tensor) -> dict:
+    """Return the rows of statistics this process's hooks produce, per layer name.
+
+    One forward pass without gradients, counting rows as curvlinops' `"expand"`
+    does: a linear layer's inputs without their last dimension, a convolution's
+    output positions times the batch (layers of other types are left out:
+    `bytes_per_step` counts them as stored entries).
+
+    Args:
+        optimizer: The optimizer (its layers).
+        model: The model it trains.
+        inputs: This process's batch.
+
+    Returns:
+        `{layer name: rows}`.
+    """
+    counted: dict[nn.Module, int] = {}
+
+    def count(module: nn.Module, args: tuple, output: Tensor) -> None:
+        if isinstance(module, nn.Conv2d):
+            counted[module] = output.shape[0] * output.shape[-2] * output.shape[-1]
+        elif isinstance(module, nn.Linear):
+            counted[module] = args[0].numel() // module.in_features
+
+    modules = {site.module for layer in optimizer.layers for site in layer.sites}
+    handles = [module.register_forward_hook(count) for module in modules]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        layer.name: counted[layer.sites[0].module]
+        for layer in optimizer.layers
+        if len(layer.sites) == 1 and layer.sites[0].module in counted
+    }
 
 
 def _time_block(step: Callable[[], Tensor], steps: int) -> float:
@@ -162,34 +205,38 @@ def measure_distributed(
         per update step and per other step, and the ratios to `Replicate`.
     """
     runs = [(setting, *_build(setting), []) for setting in settings]
-    for _, _, step, _ in runs:
+    for _, _, step, _, _ in runs:
         for _ in range(warmup):
             step()
     for index in range(rounds):
-        for _, _, step, times in runs:
+        for _, _, step, _, times in runs:
             times.append(_time_block(step, steps_per_block))
         if progress is not None and dist.get_rank() == 0:
             progress(f"round {index + 1}/{rounds} done")
     records = [
-        _record(setting, optimizer, times) for setting, optimizer, _, times in runs
+        _record(setting, optimizer, times, rows)
+        for setting, optimizer, _, rows, times in runs
     ]
     _add_ratios(records)
     return records
 
 
-def _record(setting: Setting, optimizer: SINGD, times: list[float]) -> dict[str, Any]:
+def _record(
+    setting: Setting, optimizer: SINGD, times: list[float], rows: dict[str, int]
+) -> dict[str, Any]:
     """Summarise one setting's measurements.
 
     Args:
         setting: The configuration.
         optimizer: Its optimizer after the timing.
         times: Seconds per step of every round.
+        rows: The statistics' rows per layer (`statistics_rows`).
 
     Returns:
         The record (see `measure_distributed`).
     """
-    update = bytes_per_step(optimizer, update=True)
-    plain = bytes_per_step(optimizer, update=False)
+    update = bytes_per_step(optimizer, update=True, rows=rows)
+    plain = bytes_per_step(optimizer, update=False, rows=rows)
     gradients = sum(
         p.numel() * p.element_size()
         for g in optimizer.param_groups
@@ -340,7 +387,7 @@ def preamble(args: Any) -> str:
         "interleaved. `factor state/rank`: the rule's entries (factors, momenta) "
         "of the process that holds the most; `statistics`: the statistics "
         "exchange of an update step (an all-reduce under replicate; under shard "
-        "each side's statistics reduced to its owner); `gathered`: the "
+        "each side's statistics sent to its owner in one all-to-all); `gathered`: the "
         "all_gather(s) of an update step and of "
         "another step (what every process receives); `MiB/step`: all of it "
         "averaged over T steps, without DDP's gradient all-reduce."

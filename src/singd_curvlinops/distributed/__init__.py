@@ -9,7 +9,7 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
   holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
   layers.
 - `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
-  owner.
+  owner in one all-to-all.
 - `communication`: the bytes each of them sends.
 - `collectives`: the checks that turn misuse into errors on every rank.
 

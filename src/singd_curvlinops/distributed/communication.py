@@ -3,8 +3,8 @@ r"""The bytes an optimizer's collectives move per step, computed without running
 - **statistics**: the all-reduce of every update step: the stored entries of each
   layer's \(H_K\), \(H_C\) and an example count (`bytes_per_update`); dense
   \(U_K\), \(U_C\) under `Shard(factors="owned")`; under `Shard` with
-  replicated factors the entries are reduced to their owners instead, one
-  buffer per owner (`owner_statistics`), the counts in a small all-reduce.
+  replicated factors the entries are reduced to their owners instead, in one
+  all-to-all (`owner_statistics`), the counts in a small all-reduce.
 - **gather**: the `all_gather` of a sharded step (see `engine`): every rank
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Layers whose \(K\) is split by
@@ -23,6 +23,7 @@ on top under every strategy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,43 +32,69 @@ import torch
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
+from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.strategy import Shard
 
 
-def bytes_per_update(optimizer: Any) -> int:
+def bytes_per_update(
+    optimizer: Any,
+    *,
+    rows: int | Mapping[str, int] | None = None,
+    world_size: int | None = None,
+) -> int:
     r"""Return the bytes each process sends per factor update (statistics only).
 
     Args:
         optimizer: A `SINGD`, `KFAC` or `EKFAC` optimizer.
+        rows: Under `Shard`: the rows of statistics each process's hooks
+            produce per update, per layer name or one number for all (the local
+            batch of a linear layer on flat inputs; times the positions of a
+            convolution, or of a sequence with `kfac_approx="expand"`). None:
+            every side counted as its stored entries (an upper bound).
+        world_size: Processes to count for (default: the process group's).
 
     Returns:
         Size of the all-reduced buffer: every layer's stored entries of `H_K` and
         `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
-        each side to its owner (`owner_statistics`) the same entries travel in
-        one buffer per owner, and 4 float64 numbers per layer in a small
-        all-reduce instead of the count.
+        each side to its owner (`owner_statistics`; with owned factors unless a
+        layer is split by column blocks) the same entries travel in one
+        all-to-all (each process's buffer, its own part included), or the
+        side's rows (`gram_rows`: `rows` times \(d\) numbers) where all
+        processes together have fewer rows than \(d\); and a summary
+        all-reduce of \(6 + 2P\) float64 numbers per layer.
     """
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
+    world = world_size or collectives.world_size()
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
-    # Shard's reduction to owners (`owner_statistics`): 4 float64 per layer
+    columns = dense and any(  # a layer split by column blocks: the all-reduce
+        assignment.columns
+        for assignment in strategy.assignments(
+            layers, optimizer.param_groups, optimizer.rule, max(world, 2)
+        ).values()
+    )
     to_owners = (
         isinstance(strategy, Shard)
-        and not dense
+        and not columns
         and not optimizer.rule.per_example
         and not any(layer.twin is not None or layer.swapped for layer in layers)
     )
     for layer in optimizer.layers:
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = ("dense", "dense") if dense else group["structures"]
-        entries = sum(
-            stored_entries(name, dim)
-            for name, dim in zip(structures, layer.dims, strict=True)
-        )
         dtype = torch.promote_types(*layer.factor_dtypes(group))
-        total += entries * dtype.itemsize + (32 if to_owners else dtype.itemsize)
+        local = rows.get(layer.name) if isinstance(rows, Mapping) else rows
+        # owned factors: the raw rows of any layer; else rows B of dense sides
+        eligible = dense or applies(layer, optimizer.rule, group)
+        kept = to_owners and local is not None and eligible
+        for name, dim in zip(structures, layer.dims, strict=True):
+            as_rows = kept and 0 < local * world < dim
+            total += (local * dim if as_rows else stored_entries(name, dim)) * (
+                dtype.itemsize
+            )
+        total += (6 + 2 * world) * 8 if to_owners else dtype.itemsize
         if optimizer.rule.per_example:  # EKFAC's second collective (exchange)
             sums = torch.promote_types(dtype, torch.float32)
             total += layer.dims[0] * layer.dims[1] * sums.itemsize
@@ -75,7 +102,11 @@ def bytes_per_update(optimizer: Any) -> int:
 
 
 def bytes_per_step(
-    optimizer: Any, *, update: bool, world_size: int | None = None
+    optimizer: Any,
+    *,
+    update: bool,
+    world_size: int | None = None,
+    rows: int | Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Return the bytes of one step's collectives, by kind (see the module docs).
 
@@ -83,6 +114,7 @@ def bytes_per_step(
         optimizer: A `SINGD` or `KFAC` optimizer.
         update: Whether the step updates every layer's factors (else none).
         world_size: Ranks to count for (default: the process group's size).
+        rows: The statistics rows per process (see `bytes_per_update`).
 
     Returns:
         `{"statistics": ..., "gather": ..., "checks": ...}` in bytes; the
@@ -90,7 +122,11 @@ def bytes_per_step(
     """
     strategy = optimizer.distribution
     world = world_size or collectives.world_size()
-    statistics = bytes_per_update(optimizer) if update and world > 1 else 0
+    statistics = (
+        bytes_per_update(optimizer, rows=rows, world_size=world)
+        if update and world > 1
+        else 0
+    )
     if not isinstance(strategy, Shard) or world == 1:
         return {"statistics": statistics, "gather": 0, "checks": 0}
     layers = list(optimizer.layers)

@@ -43,6 +43,7 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.fsdp import chunk_rows, is_sharded, local
+from singd_curvlinops.distributed.gram_rows import as_dense, statistics_on_owner
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -54,7 +55,6 @@ from singd_curvlinops.distributed.layout import (
     side_of,
 )
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorStatistics
 
 
 class GatheredStep:
@@ -145,9 +145,9 @@ class GatheredStep:
         """
         if due:
             statistics = self.stepper.take(layer)
-            if self.dense_statistics and statistics is not None:
-                statistics = _as_dense(statistics)
             sides = owned_sides(self.plan[layer], self.me)
+            if self.dense_statistics and statistics is not None and sides:
+                statistics = statistics_on_owner(self.stepper, layer, statistics)
             if self.stepper.rule.splits_sides and (sides or self.share_state):
                 self.stepper.update(layer, statistics, sides)  # () advances counters
             elif sides:
@@ -182,7 +182,7 @@ class GatheredStep:
         for layer, is_due in split:
             if is_due:
                 statistics = self.stepper.take(layer)
-                dense = None if statistics is None else _as_dense(statistics)
+                dense = None if statistics is None else as_dense(statistics)
                 pending.append((layer, dense))
         columns.update(self.stepper, pending)
         for layer, is_due in split:
@@ -412,19 +412,3 @@ class GatheredStep:
                 record = self.stepper.preconditioner(layer, (other,))
                 direction = record.apply_side(other, direction, overwrite=True)
         self.stepper.apply(layer, direction.to(weight.dtype))
-
-
-def _as_dense(statistics: FactorStatistics) -> FactorStatistics:
-    r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
-
-    Args:
-        statistics: Collected dense statistics (or already handed over).
-
-    Returns:
-        The same numbers, in the form rules project themselves.
-    """
-    if statistics.collected is None:
-        return statistics
-    return FactorStatistics(
-        handed_over=tuple(M.to_dense() for M in statistics.collected)
-    )

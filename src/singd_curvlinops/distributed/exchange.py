@@ -49,6 +49,7 @@ from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed.collectives import named_collective, world_size
+from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.owner_statistics import Owners, reduce_to_owners
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.per_example import ExampleGradients
@@ -174,6 +175,8 @@ class StatisticsExchange:
         owners: Given the due layers, per layer the ranks that read its \(K\)
             and \(C\) statistics (`Shard`: they are reduced there only, see
             `owner_statistics`), or None: all-reduced to every rank.
+        keep_rows: Whether statistics that travel as rows stay rows on their
+            owner (`Shard(factors="owned")`, see `owner_statistics`).
     """
 
     def __init__(
@@ -183,11 +186,13 @@ class StatisticsExchange:
         *,
         per_example: bool = False,
         owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
+        keep_rows: bool = False,
     ):
         self._zeros = zeros
         self._grad_scale = grad_scale
         self._per_example = per_example
         self._owners = owners
+        self._keep_rows = keep_rows
 
     def __call__(
         self, pending: dict[Layer, PendingStatistics], due: Sequence[Layer]
@@ -210,13 +215,19 @@ class StatisticsExchange:
                 if self._per_example:
                     record.examples = ExampleGradients()
             records.append(record)
-        statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
         owners = None if self._owners is None else self._owners(due)
-        totals = (
-            all_reduce_statistics(statistics)
-            if owners is None
-            else reduce_to_owners(statistics, owners)
-        )
+        if owners is None:  # statistics kept as rows are formed for the all-reduce
+            for record in records:
+                record.H_K, record.H_C = map(as_structured, (record.H_K, record.H_C))
+        statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
+        if owners is None:
+            totals = all_reduce_statistics(statistics)
+        else:
+            totals, kept = reduce_to_owners(
+                statistics, owners, keep_rows=self._keep_rows
+            )
+            for record, (H_K, H_C) in zip(records, kept, strict=True):
+                record.H_K, record.H_C = H_K, H_C
         for layer, record, total in zip(due, records, totals, strict=True):
             if total == 0:
                 pending.pop(layer, None)

@@ -12,9 +12,9 @@ every rank in one `all_gather` (for `state_dict()` and for a new assignment);
 (`columns`) keeps \(C\), \(m_C\) on every rank and only this rank's columns of
 \(K\), \(m_K\): `drop` cuts them out, `gather` puts them together. Their
 shapes, dtypes and types come from the rule's `init_state` on the meta device.
-Without the factors, the statistics hooks collect the dense
-\(U_K = a^\top a\), \(U_C\) (`dense_statistics`), which the owners project
-themselves.
+Without the factors, the statistics hooks keep the raw rows \(a\), \(\tilde g\)
+(`gram_rows`; `dense_statistics` for rows that are not a dense tensor), which
+the owners project themselves (`engine`).
 """
 
 from __future__ import annotations

@@ -8,18 +8,15 @@ that depends on how the ranks share work lives here, not in the shell.
   preconditions every layer; the only collective is the statistics all-reduce
   on update steps.
 - `Shard` (`"shard"`): each layer's factor work has an owner (or two, one per
-  side; see `assignment`), each side's statistics are reduced to its owner
-  (`owner_statistics`), and one `all_gather` per step shares the results
-  (see `engine`). With `factors="replicated"` (the default) the owners also
+  side; see `assignment`), each side's statistics (or their rows) reach its
+  owner (`owner_statistics`), and one `all_gather` per step shares the results
+  (`engine`). With `factors="replicated"` (the default) the owners also
   send their updated factors, so every rank keeps every factor (the statistics
   hooks need them); the momenta stay with their owner. `state_dict()` gathers
   what only owners keep, on every rank — a collective: call it on every rank.
-  With `factors="owned"` only the owner keeps a layer's factors; every rank then
-  collects the dense statistics
-  \(U_K = a^\top a\), \(U_C\) (the hooks cannot project without the factors),
-  the owners project them (\(\Pi(K^\top U_K K)\), two more products per side),
-  and layers are not split by sides; a SINGD layer whose dense \(K\) dominates
-  the factor state is split by column blocks over all ranks (`columns`).
+  With `factors="owned"` only the owner keeps a layer's factors (and projects
+  the raw rows: `gram_rows`); layers are not split by sides, but a SINGD layer
+  whose dense \(K\) dominates the factor state is split by column blocks.
 
 Under FSDP2 (`fully_shard`) every strategy preconditions the row shards of the
 gradient as `fsdp` describes; `Shard(factors="owned")` is not available there
@@ -36,7 +33,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed import collectives, ownership
+from singd_curvlinops.distributed import collectives, gram_rows, ownership
 from singd_curvlinops.distributed.assignment import Assignment, assign_layers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
@@ -66,6 +63,8 @@ class DistributionStrategy:
     group always works alone, whatever the strategy. A strategy object belongs to
     one optimizer (`resolve` copies it).
     """
+
+    keeps_rows = False  # whether hooks may keep statistics as rows (`gram_rows`)
 
     def __init__(self) -> None:
         self._verified = ""
@@ -137,6 +136,7 @@ class DistributionStrategy:
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
+            keep_rows=isinstance(self, Shard) and self._owned,
         )(pending, due)
 
     def statistics_owners(
@@ -284,16 +284,23 @@ class Shard(DistributionStrategy):
         return self.factors == "owned"
 
     def projection(self, layer: Layer) -> Projection | None:
-        """Return dense statistics if only owners keep factors (else None).
+        """Return the raw rows' statistics if only owners keep factors (else None).
 
         Args:
             layer: The layer.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` as dense matrices (several processes and
-            `factors="owned"`), or None.
+            `(a, g) -> (aᵀa, gᵀg)` kept as the rows (`gram_rows`), for several
+            processes and `factors="owned"`; else None.
         """
-        return ownership.dense_statistics if self._owned and world_size() > 1 else None
+        if not (self._owned and world_size() > 1):
+            return None
+        return gram_rows.project_to_rows(None, ownership.dense_statistics)
+
+    @property
+    def keeps_rows(self) -> bool:  # type: ignore[override]
+        """Whether the hooks keep dense statistics as rows (owners form them)."""
+        return not self._owned and world_size() > 1
 
     def check_holds(self, layer: Layer) -> None:
         """Raise a `ValueError` if only the owner keeps the layer's factors.

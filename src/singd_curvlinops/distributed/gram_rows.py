@@ -1,0 +1,289 @@
+r"""Dense statistics kept as their rows until their owner forms them (`Shard`).
+
+A dense side's statistics are a Gram matrix: SINGD's \(H_K = K^\top a^\top a K =
+B^\top B\) with \(B = a K\) (one row per row of \(a\)), KFAC's \(U_K = a^\top a\)
+with \(B = a\). When a layer sees fewer rows than its dimension \(d\) (an MLP's
+batch against its widths), \(B\) holds fewer numbers than \(B^\top B\): the MLP
+benchmark's first layer has 64 rows of 785 per process against \(785^2\) entries.
+
+Under `Shard` (factors replicated) only a side's owner reads its combined
+statistics, so the statistics hooks keep \(B\) (`project_to_rows`), the ranks send
+their rows to the owner instead of \(d \times d\) sums (`owner_statistics`), and
+the owner forms \(\sum_r B_r^\top B_r = R^\top R\) once, from the rows \(R\) of all
+ranks stacked. The other ranks skip their product \(B^\top B\) for that side, and
+the bytes of the exchange shrink by \(d / \text{rows}\).
+
+`GramRows` carries \(H = D + B^\top B\) through the accumulation of uses and
+micro-batches (`pending`), which only scales and adds statistics: a scale \(c \ge
+0\) multiplies \(B\) by \(\sqrt c\), a sum stacks the rows. Once \(B\) has more
+rows than \(d\), they are folded into the dense part \(D\) (memory stays at most
+\(d^2\) numbers, as for dense statistics), and the side travels as \(d \times d\)
+numbers (`owner_statistics` decides per side, from every rank's row count).
+
+Under `Shard(factors="owned")` no rank but the owner holds a layer's factors, so
+the hooks keep the raw rows (\(B = a\), `project_to_rows` without factors), the
+owner receives them stacked, and `statistics_on_owner` projects them with the
+rule as one process would; `as_dense` hands dense \(U = B^\top B\) over where
+rows did not travel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.rules import (
+    FactorRule,
+    FactorStatistics,
+    KFACRule,
+    Preconditioner,
+    SINGDRule,
+)
+from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
+
+Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
+
+
+class GramRows:
+    r"""Statistics \(H = D + B^\top B\) of a dense side, with the rows \(B\) kept.
+
+    It offers what accumulating statistics needs (`mul_`, `add_`,
+    `average_trace`, `tensors`); `dense()` forms the matrix.
+
+    Args:
+        rows: \(B\), `[n, d]` (used as given; folded into \(D\) if \(n > d\)).
+        dense: \(D\), `[d, d]`, or None for zero.
+    """
+
+    def __init__(self, rows: Tensor, dense: Tensor | None = None) -> None:
+        self.rows, self.dense_part = rows, dense
+        self._fold()
+
+    @property
+    def dim(self) -> int:
+        r"""The dimension \(d\)."""
+        return self.rows.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows."""
+        return self.rows.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the rows."""
+        return self.rows.device
+
+    @property
+    def num_rows(self) -> int | None:
+        """The number of rows, or None once a dense part exists."""
+        return self.rows.shape[0] if self.dense_part is None else None
+
+    def tensors(self) -> list[Tensor]:
+        """Return the stored tensors (for finiteness checks).
+
+        Returns:
+            The rows, and the dense part if there is one.
+        """
+        return [self.rows] + ([] if self.dense_part is None else [self.dense_part])
+
+    def mul_(self, value: float) -> GramRows:
+        r"""Scale by \(c \ge 0\) in place (the rows by \(\sqrt c\)).
+
+        Args:
+            value: A non-negative number (NaN makes every entry NaN).
+
+        Returns:
+            `self`.
+
+        Raises:
+            ValueError: If `value` is negative (no real rows represent it).
+        """
+        value = float(value)
+        if value < 0:
+            raise ValueError(f"GramRows can only be scaled by c >= 0, got {value}.")
+        self.rows.mul_(math.sqrt(value))
+        if self.dense_part is not None:
+            self.dense_part.mul_(value)
+        return self
+
+    def add_(self, other: GramRows, alpha: float = 1.0) -> GramRows:
+        """Add `alpha * other` in place (its rows, scaled, are stacked below).
+
+        Args:
+            other: Statistics of the same side.
+            alpha: A non-negative number.
+
+        Returns:
+            `self`.
+
+        Raises:
+            TypeError: If `other` is not `GramRows`.
+        """
+        if not isinstance(other, GramRows):
+            raise TypeError(f"GramRows can only add GramRows, got {type(other)}.")
+        scaled = GramRows(other.rows.clone(), other.dense_part).mul_(alpha)
+        self.rows = torch.cat([self.rows, scaled.rows])
+        if scaled.dense_part is not None:
+            dense = scaled.dense_part.clone()
+            self.dense_part = (
+                dense if self.dense_part is None else self.dense_part.add_(dense)
+            )
+        self._fold()
+        return self
+
+    def average_trace(self) -> Tensor:
+        r"""Return \(\bar{\mathrm{tr}}(H) = (\|B\|_F^2 + \mathrm{tr}(D)) / d\).
+
+        Returns:
+            A 0-d tensor.
+        """
+        trace = self.rows.square().sum()
+        if self.dense_part is not None:
+            trace = trace + self.dense_part.diagonal().sum()
+        return trace / self.dim
+
+    def dense(self) -> DenseMatrix:
+        r"""Return \(H = D + B^\top B\) as a dense matrix.
+
+        Returns:
+            A new `DenseMatrix`.
+        """
+        gram = self.rows.T @ self.rows
+        return DenseMatrix(
+            gram if self.dense_part is None else gram.add_(self.dense_part)
+        )
+
+    def _fold(self) -> None:
+        """Fold the rows into the dense part once there are more than `dim`."""
+        if self.rows.shape[0] > self.rows.shape[1]:
+            gram = self.rows.T @ self.rows
+            self.dense_part = (
+                gram if self.dense_part is None else self.dense_part.add_(gram)
+            )
+            self.rows = self.rows[:0]
+
+
+def applies(layer: Layer, rule: FactorRule, group: Mapping[str, Any]) -> bool:
+    """Return whether a layer's statistics may be kept as rows.
+
+    For SINGD (and IKFAC) and KFAC, whose statistics are the Gram matrices above,
+    with dense factors on both sides; not for a layer with a transposed twin,
+    whose two orientations combine non-linearly (`pending.kronecker_sum`).
+
+    Args:
+        layer: The layer.
+        rule: The factor rule (other rules project differently: never).
+        group: The layer's options.
+
+    Returns:
+        Whether `project_to_rows` may replace the rule's projection.
+    """
+    dense = all(name == "dense" for name in rule.structures(group))
+    known = type(rule) in (SINGDRule, KFACRule) and not rule.per_example
+    return dense and known and layer.twin is None and not layer.swapped
+
+
+def _matrix(factor: StructuredMatrix) -> Tensor:
+    """Return a dense factor's matrix (without a copy).
+
+    Args:
+        factor: A `DenseMatrix` (or another structure, formed densely).
+
+    Returns:
+        Its `[d, d]` matrix.
+    """
+    return factor.mat if isinstance(factor, DenseMatrix) else factor.to_dense()
+
+
+def as_structured(matrix: Any) -> StructuredMatrix:
+    """Return statistics as a structured matrix (`GramRows` formed densely).
+
+    Args:
+        matrix: A `StructuredMatrix` or `GramRows`.
+
+    Returns:
+        The same matrix, or the dense form of `GramRows`.
+    """
+    return matrix.dense() if isinstance(matrix, GramRows) else matrix
+
+
+def project_to_rows(
+    preconditioner: Preconditioner | None, fallback: Projection
+) -> Projection:
+    r"""Return the hooks' projection that keeps rows (see the module docs).
+
+    Args:
+        preconditioner: The layer's current factors (SINGD: \(B = a K\),
+            \(g C\)), or None (KFAC: \(B = a\), \(g\)).
+        fallback: The rule's projection, for rows that are not a dense tensor.
+
+    Returns:
+        `(a, g) -> (GramRows, GramRows)`.
+    """
+
+    def project(a: Any, g: Any) -> tuple[Any, Any]:
+        if not (isinstance(a, Tensor) and isinstance(g, Tensor)):
+            return fallback(a, g)
+        if preconditioner is None:  # `a` is the hooks' buffer, `g` maybe autograd's
+            return GramRows(a), GramRows(g.clone())
+        K, C = preconditioner.K, preconditioner.C
+        return GramRows(a @ _matrix(K)), GramRows(g @ _matrix(C))
+
+    return project
+
+
+def as_dense(statistics: FactorStatistics) -> FactorStatistics:
+    r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
+
+    Args:
+        statistics: Collected dense statistics (or already handed over).
+
+    Returns:
+        The same numbers, in the form rules project themselves.
+    """
+    if statistics.collected is None:
+        return statistics
+    return FactorStatistics(
+        handed_over=tuple(as_structured(M).to_dense() for M in statistics.collected)
+    )
+
+
+def statistics_on_owner(
+    stepper: Any, layer: Layer, statistics: FactorStatistics
+) -> FactorStatistics:
+    r"""Return the owner's statistics of a layer from the raw rows of all ranks.
+
+    Under `Shard(factors="owned")` the hooks keep the raw rows \(a\),
+    \(\tilde g\) (no rank but the owner holds the factors); where both sides
+    arrived as rows, SINGD and KFAC project them here as their hooks would on one
+    process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
+    rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
+    \(U = R^\top R\)). Otherwise the dense \(U_K\), \(U_C\) are handed over.
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: A layer this rank owns.
+        statistics: Its statistics after the exchange.
+
+    Returns:
+        Collected (projected) statistics, or handed-over dense ones.
+    """
+    collected = statistics.collected
+    rule = stepper.rule
+    if (
+        collected is not None
+        and type(rule) in (SINGDRule, KFACRule)
+        and all(isinstance(M, GramRows) and M.num_rows is not None for M in collected)
+    ):
+        reads = rule.reads_preconditioner
+        record = stepper.preconditioner(layer, ()) if reads else None
+        a, g = (M.rows for M in collected)
+        projected = rule.project(record, a, g, group=stepper.group(layer))
+        return FactorStatistics(collected=projected)
+    return as_dense(statistics)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from singd_curvlinops import EKFAC, KFAC, SINGD
 from tests.optimizer._layer_cases import CASES
+from tests.optimizer.test_checkpoints import assert_same
 
 OPTIMIZERS = (SINGD, KFAC, EKFAC)
 
@@ -81,21 +82,6 @@ def _snapshot(model: nn.Module, optimizer: Any) -> tuple[list[Tensor], dict]:
     )
 
 
-def _assert_same(actual: Any, expected: Any) -> None:
-    if isinstance(expected, Tensor):
-        torch.testing.assert_close(actual, expected, atol=0, rtol=0)
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys()
-        for key in expected:
-            _assert_same(actual[key], expected[key])
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected)
-        for a, e in zip(actual, expected, strict=True):
-            _assert_same(a, e)
-    else:
-        assert actual == expected
-
-
 # ------------------------------------------------------------ remove_hooks
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_remove_hooks_takes_every_hook_off(cls: type) -> None:
@@ -112,7 +98,7 @@ def test_remove_hooks_takes_every_hook_off(cls: type) -> None:
     before = _snapshot(model, optimizer)
     with pytest.raises(RuntimeError, match=rf"{cls.__name__}.remove_hooks\(\)"):
         optimizer.step()
-    _assert_same(_snapshot(model, optimizer), before)  # state_dict still works
+    assert_same(_snapshot(model, optimizer), before)  # state_dict still works
 
 
 def test_a_with_block_removes_the_hooks_at_its_end() -> None:
@@ -244,7 +230,7 @@ def test_an_optimizer_that_took_over_trains_like_a_fresh_one() -> None:
             _backward(net, seed)
             optimizer.step()
             optimizer.zero_grad()
-    _assert_same(_snapshot(model, new), _snapshot(fresh_model, fresh))
+    assert_same(_snapshot(model, new), _snapshot(fresh_model, fresh))
 
 
 def test_a_failed_construction_takes_nothing_over() -> None:
@@ -324,7 +310,7 @@ def test_a_step_without_a_backward_pass_changes_nothing(cls: type) -> None:
         )
         assert caught[0].filename == __file__
         assert "step counters are as before" in str(caught[0].message)
-    _assert_same(_snapshot(model, optimizer), before)
+    assert_same(_snapshot(model, optimizer), before)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
@@ -337,12 +323,12 @@ def test_gradients_set_to_none_drop_their_statistics(cls: type) -> None:
     before = _snapshot(model, optimizer)
     with pytest.warns(UserWarning, match=rf"^{cls.__name__}\.step\(\) found no"):
         optimizer.step()
-    _assert_same(_snapshot(model, optimizer), before)
+    assert_same(_snapshot(model, optimizer), before)
     assert not optimizer._collector.pending
     for net, opt in ((model, optimizer), (twin, reference)):
         _backward(net, seed=1)
         opt.step()
-    _assert_same(_snapshot(model, optimizer), _snapshot(twin, reference))
+    assert_same(_snapshot(model, optimizer), _snapshot(twin, reference))
 
 
 # -------------------------------------------------------------- messages

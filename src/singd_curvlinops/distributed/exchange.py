@@ -50,7 +50,11 @@ from torch import Tensor
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed.collectives import named_collective, world_size
 from singd_curvlinops.distributed.gram_rows import as_structured
-from singd_curvlinops.distributed.owner_statistics import Owners, reduce_to_owners
+from singd_curvlinops.distributed.owner_statistics import (
+    Owners,
+    reduce_to_owners,
+    unpack,
+)
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorRule
@@ -116,7 +120,7 @@ def all_reduce_statistics(
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     offsets, offset = [], 0
     for H_K, H_C, _ in statistics:
-        offset = _unpack(buffer, _unpack(buffer, offset, H_K), H_C)
+        offset = unpack(buffer, unpack(buffer, offset, H_K), H_C)
         offsets.append(offset)
         offset += 1
     totals = [round(n) for n in buffer[offsets].tolist()]  # one synchronisation
@@ -140,24 +144,6 @@ def sum_over_processes(tensor: Tensor) -> Tensor:
     """
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.div_(world_size() ** 2)
-
-
-def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
-    """Copy the next entries of `buffer` into `matrix`'s stored tensors.
-
-    Args:
-        buffer: The reduced flat buffer.
-        offset: Position of the matrix's first entry.
-        matrix: Receives the values (its tensors are overwritten in place).
-
-    Returns:
-        The offset after the matrix.
-    """
-    for tensor in matrix.tensors():
-        size = tensor.numel()
-        tensor.copy_(buffer[offset : offset + size].view_as(tensor))
-        offset += size
-    return offset
 
 
 class StatisticsExchange:

@@ -323,7 +323,7 @@ def _combine(
             total += parts[sender][offsets[sender] : offsets[sender] + size]
         for sender in range(len(parts)):
             offsets[sender] += size
-        _unpack(total, 0, matrix)
+        unpack(total, 0, matrix)
         return matrix
     dim, blocks = matrix.dim, []
     for sender, count in enumerate(rows):
@@ -419,11 +419,12 @@ def _pack(buffer: Tensor, offset: int, matrix: Any, scale: int) -> int:
     return offset
 
 
-def _unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
+def unpack(buffer: Tensor, offset: int, matrix: StructuredMatrix) -> int:
     """Copy the next entries of `buffer` into `matrix`'s stored tensors.
 
     Args:
-        buffer: This rank's combined part.
+        buffer: A flat buffer of combined statistics (also the all-reduce's,
+            `exchange`).
         offset: Position of the matrix's first entry.
         matrix: Receives the values (overwritten in place).
 

@@ -53,6 +53,17 @@ def test_more_rows_than_the_dimension_fold_into_a_dense_part() -> None:
     assert _close(H.average_trace(), expected.trace() / 5)
 
 
+def test_adding_leaves_the_other_statistics_unchanged() -> None:
+    B, E = _rows(2, 4, 9), _rows(6, 4, 10)  # E has more rows than d: folded
+    rows, folded = GramRows(B.clone()), GramRows(E.clone())
+    before = folded.dense_part.clone()
+    H = GramRows(_rows(1, 4, 11)).add_(rows, alpha=4.0).add_(folded, alpha=0.5)
+    assert torch.equal(rows.rows, B)
+    assert torch.equal(folded.dense_part, before)
+    expected = _rows(1, 4, 11).T @ _rows(1, 4, 11) + 4.0 * B.T @ B + 0.5 * E.T @ E
+    assert _close(H.dense().mat, expected)
+
+
 def test_pending_accumulation_of_rows_equals_dense_accumulation() -> None:
     uses = [(_rows(n, 7, seed), n) for seed, n in enumerate((2, 3, 1))]
     records = []

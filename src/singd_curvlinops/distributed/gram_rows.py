@@ -57,11 +57,11 @@ class GramRows:
 
     Args:
         rows: \(B\), `[n, d]` (used as given; folded into \(D\) if \(n > d\)).
-        dense: \(D\), `[d, d]`, or None for zero.
     """
 
-    def __init__(self, rows: Tensor, dense: Tensor | None = None) -> None:
-        self.rows, self.dense_part = rows, dense
+    def __init__(self, rows: Tensor) -> None:
+        self.rows = rows
+        self.dense_part: Tensor | None = None  # D (None: zero)
         self._fold()
 
     @property
@@ -96,28 +96,23 @@ class GramRows:
         r"""Scale by \(c \ge 0\) in place (the rows by \(\sqrt c\)).
 
         Args:
-            value: A non-negative number (NaN makes every entry NaN).
+            value: A non-negative number (NaN makes every entry NaN; a negative
+                one raises a `ValueError`: no real rows represent it).
 
         Returns:
             `self`.
-
-        Raises:
-            ValueError: If `value` is negative (no real rows represent it).
         """
-        value = float(value)
-        if value < 0:
-            raise ValueError(f"GramRows can only be scaled by c >= 0, got {value}.")
-        self.rows.mul_(math.sqrt(value))
+        self.rows.mul_(_root(value))
         if self.dense_part is not None:
-            self.dense_part.mul_(value)
+            self.dense_part.mul_(float(value))
         return self
 
     def add_(self, other: GramRows, alpha: float = 1.0) -> GramRows:
         """Add `alpha * other` in place (its rows, scaled, are stacked below).
 
         Args:
-            other: Statistics of the same side.
-            alpha: A non-negative number.
+            other: Statistics of the same side (left unchanged).
+            alpha: A non-negative number (a negative one raises a `ValueError`).
 
         Returns:
             `self`.
@@ -127,12 +122,11 @@ class GramRows:
         """
         if not isinstance(other, GramRows):
             raise TypeError(f"GramRows can only add GramRows, got {type(other)}.")
-        scaled = GramRows(other.rows.clone(), other.dense_part).mul_(alpha)
-        self.rows = torch.cat([self.rows, scaled.rows])
-        if scaled.dense_part is not None:
-            dense = scaled.dense_part.clone()
+        self.rows = torch.cat([self.rows, other.rows * _root(alpha)])
+        if other.dense_part is not None:
+            part = other.dense_part * float(alpha)
             self.dense_part = (
-                dense if self.dense_part is None else self.dense_part.add_(dense)
+                part if self.dense_part is None else self.dense_part.add_(part)
             )
         self._fold()
         return self
@@ -187,6 +181,23 @@ def applies(layer: Layer, rule: FactorRule, group: Mapping[str, Any]) -> bool:
     dense = all(name == "dense" for name in rule.structures(group))
     known = type(rule) in (SINGDRule, KFACRule) and not rule.per_example
     return dense and known and layer.twin is None and not layer.swapped
+
+
+def _root(value: float) -> float:
+    r"""Return \(\sqrt c\), the factor of the rows for a scale \(c \ge 0\).
+
+    Args:
+        value: The scale \(c\) (NaN gives NaN).
+
+    Returns:
+        Its square root.
+
+    Raises:
+        ValueError: If `value` is negative (no real rows represent it).
+    """
+    if float(value) < 0:
+        raise ValueError(f"GramRows can only be scaled by c >= 0, got {value}.")
+    return math.sqrt(float(value))
 
 
 def _matrix(factor: StructuredMatrix) -> Tensor:

@@ -228,7 +228,7 @@ class KroneckerOptimizer(
             record = self._records(layer, ()) if reads else None
             options = layer.options(group)
             project = partial(self._rule.project, record, group=options)
-            rows = self._distribution.keeps_rows  # owners form them: `gram_rows`
+            rows = self._distribution.rows == "projected"  # owners form them
             if rows and gram_rows.applies(layer, self._rule, options):
                 project = gram_rows.project_to_rows(record, project)
             if layer.twin is not None:

@@ -72,7 +72,7 @@ def bytes_per_update(
     columns = dense and any(  # a layer split by column blocks: the all-reduce
         assignment.columns
         for assignment in strategy.assignments(
-            layers, optimizer.param_groups, optimizer.rule, max(world, 2)
+            layers, optimizer.param_groups, optimizer.rule, world
         ).values()
     )
     to_owners = (

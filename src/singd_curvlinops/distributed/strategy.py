@@ -64,7 +64,7 @@ class DistributionStrategy:
     one optimizer (`resolve` copies it).
     """
 
-    keeps_rows = False  # whether hooks may keep statistics as rows (`gram_rows`)
+    rows: str | None = None  # statistics kept as rows (`gram_rows`): see `Shard`
 
     def __init__(self) -> None:
         self._verified = ""
@@ -136,7 +136,7 @@ class DistributionStrategy:
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
-            keep_rows=isinstance(self, Shard) and self._owned,
+            keep_rows=self.rows == "raw",
         )(pending, due)
 
     def statistics_owners(
@@ -293,14 +293,14 @@ class Shard(DistributionStrategy):
             `(a, g) -> (aᵀa, gᵀg)` kept as the rows (`gram_rows`), for several
             processes and `factors="owned"`; else None.
         """
-        if not (self._owned and world_size() > 1):
+        if self.rows != "raw":
             return None
         return gram_rows.project_to_rows(None, ownership.dense_statistics)
 
     @property
-    def keeps_rows(self) -> bool:  # type: ignore[override]
-        """Whether the hooks keep dense statistics as rows (owners form them)."""
-        return not self._owned and world_size() > 1
+    def rows(self) -> str | None:  # type: ignore[override]
+        """`"projected"` (`B = a K`), `"raw"` (`a`: owned factors), or None."""
+        return None if world_size() == 1 else ("raw" if self._owned else "projected")
 
     def check_holds(self, layer: Layer) -> None:
         """Raise a `ValueError` if only the owner keeps the layer's factors.

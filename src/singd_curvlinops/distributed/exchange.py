@@ -52,8 +52,10 @@ from singd_curvlinops.distributed.collectives import named_collective, world_siz
 from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.owner_statistics import (
     Owners,
+    pack,
     reduce_to_owners,
     unpack,
+    wire_dtype,
 )
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.per_example import ExampleGradients
@@ -102,20 +104,14 @@ def all_reduce_statistics(
         combined \(H_K\) (mean over all \(N\) examples) and \(H_C / P^2\).
     """
     processes = world_size()
-    tensors = [
-        t for H_K, H_C, _ in statistics for t in (*H_K.tensors(), *H_C.tensors())
-    ]
-    dtype = (
-        torch.float64
-        if any(t.dtype == torch.float64 for t in tensors)
-        else (torch.float32)
-    )
-    parts: list[Tensor] = []
-    for H_K, H_C, count in statistics:
-        parts += [(t.to(dtype) * count).reshape(-1) for t in H_K.tensors()]
-        parts += [t.to(dtype).reshape(-1) for t in H_C.tensors()]
-        parts.append(torch.tensor([float(count)], dtype=dtype, device=H_K.device))
-    buffer = torch.cat(parts)
+    dtype = wire_dtype([M for H_K, H_C, _ in statistics for M in (H_K, H_C)])
+    size = sum(H_K.numel() + H_C.numel() + 1 for H_K, H_C, _ in statistics)
+    buffer = torch.empty(size, dtype=dtype, device=statistics[0][0].device)
+    offset = 0
+    for H_K, H_C, count in statistics:  # count x H_K, H_C, count
+        offset = pack(buffer, pack(buffer, offset, H_K, count), H_C, 1)
+        buffer[offset] = float(count)
+        offset += 1
     with named_collective("The statistics all-reduce of the optimizer's step"):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     offsets, offset = [], 0

@@ -148,9 +148,7 @@ def reduce_to_owners(
     """
     me, processes = rank(), world_size()
     sides = [[H_K, H_C] for H_K, H_C, _ in statistics]
-    tensors = [t for pair in sides for matrix in pair for t in matrix.tensors()]
-    wide = any(t.dtype == torch.float64 for t in tensors)
-    dtype = torch.float64 if wide else torch.float32
+    dtype = wire_dtype([matrix for pair in sides for matrix in pair])
     layout, combined = _agree_on_layout(statistics, sides)
     for index, pair in enumerate(sides):  # sides that travel densely, formed
         for side in (0, 1):
@@ -170,8 +168,8 @@ def reduce_to_owners(
         zip(statistics, sides, owners, strict=True)
     ):
         if count:  # (a rank without examples sends no rows, or zeros)
-            ends[owner_K] = _pack(outgoing, ends[owner_K], pair[0], count)
-            ends[owner_C] = _pack(outgoing, ends[owner_C], pair[1], 1)
+            ends[owner_K] = pack(outgoing, ends[owner_K], pair[0], count)
+            ends[owner_C] = pack(outgoing, ends[owner_C], pair[1], 1)
         else:
             for side, owner in ((0, owner_K), (1, owner_C)):
                 size = layout.size(index, side, me, sides)
@@ -390,14 +388,28 @@ def _probe(*parts: Tensor) -> Tensor:
     return torch.stack(extremes).to(torch.float64).mul_(0.0).sum()
 
 
-def _pack(buffer: Tensor, offset: int, matrix: Any, scale: int) -> int:
+def wire_dtype(matrices: Sequence[Any]) -> torch.dtype:
+    """Return the dtype in which statistics travel: it holds every entry exactly.
+
+    Args:
+        matrices: Statistics (structured or `GramRows`).
+
+    Returns:
+        float64 if any of their tensors is float64, else float32.
+    """
+    tensors = [t for matrix in matrices for t in matrix.tensors()]
+    wide = any(t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if wide else torch.float32
+
+
+def pack(buffer: Tensor, offset: int, matrix: Any, scale: int) -> int:
     r"""Write a side's statistics, scaled, into `buffer` at `offset`.
 
     Stored entries are multiplied by `scale`, the rows of `GramRows` by
     \(\sqrt{\text{scale}}\) (their Gram matrix by `scale`).
 
     Args:
-        buffer: The outgoing flat buffer.
+        buffer: The outgoing flat buffer (also the all-reduce's, `exchange`).
         offset: Where the side starts.
         matrix: The statistics (`GramRows` travel as their rows).
         scale: The example count (\(H_K\)) or 1 (\(H_C\)).

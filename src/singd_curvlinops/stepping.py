@@ -147,6 +147,7 @@ class LayerStepper:
         layer: Layer,
         statistics: FactorStatistics | None,
         sides: tuple[int, ...] | None = None,
+        record: Preconditioner | None = None,
     ) -> None:
         """Update the layer's factors with the rule (nothing without statistics).
 
@@ -154,13 +155,14 @@ class LayerStepper:
             layer: The layer.
             statistics: From `take`.
             sides: The sides to update (rules with `splits_sides`); None: all.
+            record: The factors the rule reads (default: the state's), e.g. a
+                copy of a side updated before, whose previous value couples.
         """
         if statistics is None:
             return
         kwargs = {} if sides is None else {"sides": sides}
-        record = (
-            self.preconditioner(layer, ()) if self.rule.reads_preconditioner else None
-        )
+        if record is None and self.rule.reads_preconditioner:
+            record = self.preconditioner(layer, ())
         state = self.state[layer.weight]
         self.guard.factor_update(
             layer,

@@ -78,6 +78,7 @@ CASES_W3 = {
     "two_dense": Case(DENSE, model="two"),
     "two_kfac": Case(KFAC_OPTIONS, kfac=True, model="two"),
     "two_owned": Case(SPARSE, distribute="owned", model="two"),
+    "owned_dense": Case(DENSE, distribute="owned"),  # a helper on a third rank
     "factors_ikfac": Case(IKFAC, distribute="factors"),
     "fsdp_shard": Case(SPARSE, "fsdp"),
     "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
@@ -88,7 +89,7 @@ RESUME_AT = 3
 
 def _plan(optimizer: Any) -> list:
     return [
-        (a.owners, a.anchor)
+        (a.owners, a.anchor, a.helper)
         for a in getattr(optimizer.distribution, "plan", {}).values()
     ]
 
@@ -222,6 +223,7 @@ def _bytes(results: dict[str, Any]) -> None:
         ("shard", Case(SPARSE)),
         ("shard_dense", Case({**DENSE, "T": 2})),  # statistics as rows (gram_rows)
         ("owned", Case(SPARSE, distribute="owned")),
+        ("owned_dense", Case({**DENSE, "T": 2}, distribute="owned")),  # a helper
         ("factors", Case(SPARSE, distribute="factors")),
     ):
         model = build_model(case.model)
@@ -242,9 +244,13 @@ def _bytes(results: dict[str, Any]) -> None:
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the float all-reduces, all-gathers and all-to-alls made."""
-    originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single
-    recorded = {"all_reduce": [], "all_gather": [], "all_to_all": []}
+    """Return the bytes of the float all-reduces, all-gathers, all-to-alls and sends."""
+    originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single, dist.isend
+    recorded = {"all_reduce": [], "all_gather": [], "all_to_all": [], "isend": []}
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorded["isend"].append(tensor.numel() * tensor.element_size())
+        return originals[3](tensor, *args, **kwargs)
 
     def all_to_all_single(
         output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any
@@ -266,11 +272,11 @@ def _recorded(function: Any) -> dict[str, int]:
         return originals[1](tensors, tensor, *args, **kwargs)
 
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
-    dist.all_to_all_single = all_to_all_single
+    dist.all_to_all_single, dist.isend = all_to_all_single, isend
     try:
         function()
     finally:
-        dist.all_reduce, dist.all_gather, dist.all_to_all_single = originals
+        dist.all_reduce, dist.all_gather, dist.all_to_all_single, dist.isend = originals
     return recorded
 
 

@@ -23,11 +23,9 @@ def _loads(costs: list[LayerCost], plan: list[Assignment], world: int) -> list[f
         if assignment.anchor is None:
             loads[assignment.owners[0]] += cost.whole
             continue
-        a, b = assignment.anchor, 1 - assignment.anchor
-        loads[assignment.owners[a]] += cost.update[a] + cost.build[a] + cost.apply[a]
-        loads[assignment.owners[b]] += cost.update[b]
-        for rank in range(world):  # every rank applies the other side
-            loads[rank] += cost.build[b] + cost.apply[b]
+        for side in (0, 1):  # each side's owner applies its own side (the relay)
+            work = cost.update[side] + cost.build[side] + cost.apply[side]
+            loads[assignment.owners[side]] += work
     return loads
 
 
@@ -74,6 +72,38 @@ def test_a_dominant_layer_is_split_and_lowers_the_largest_load() -> None:
     assert plan[0].anchor == 0 and set(plan[0].owners) == {0, 1}
     whole = assign(_mlp(1, splittable=False), 2)
     assert max(_loads(costs, plan, 2)) < 0.9 * max(_loads(costs, whole, 2))
+
+
+def _helped_loads(costs: list[LayerCost], plan: list[Assignment], world: int) -> list:
+    """Each rank's work with helpers: the owner all but the helped side's use."""
+    loads = [0.0] * world
+    for cost, assignment in zip(costs, plan, strict=True):
+        owner, b = assignment.owners[0], 1 - cost.anchor
+        assert assignment.owners == (owner, owner)  # both factors on one rank
+        if assignment.helper is None:
+            loads[owner] += cost.whole
+            continue
+        loads[owner] += cost.whole - cost.build[b] - cost.apply[b]
+        loads[assignment.helper] += 2 * cost.apply[b]  # uncached: two products
+    return loads
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_owned_factors_get_a_helper_instead_of_split_sides(world: int) -> None:
+    costs = _mlp(1)
+    plan = assign(costs, world, helpers=True)
+    assert plan[0].anchor == 0 and plan[0].helper not in (None, plan[0].owners[0])
+    assert plan[0].sender == plan[0].helper
+    whole = assign(_mlp(1, splittable=False), world)
+    assert all(a.helper is None for a in whole)
+    helped, unhelped = _helped_loads(costs, plan, world), _loads(costs, whole, world)
+    assert max(helped) < max(unhelped)
+
+
+def test_the_sender_of_a_split_layer_owns_the_other_side() -> None:
+    plan = assign(_mlp(1), 2)
+    assert plan[0].sender == plan[0].owners[1] != plan[0].owners[0]
+    assert plan[1].sender is None and plan[1].helper is None
 
 
 def test_layers_that_cannot_split_stay_whole() -> None:

@@ -115,12 +115,17 @@ def test_the_plans_cover_split_layers_both_anchors_and_idle_ranks(
 ) -> None:
     plans = {f"w2/{n}": w2[0][f"plan/{n}"] for n in CASES_W2}
     plans |= {f"w3/{n}": w3[0][f"plan/{n}"] for n in CASES_W3}
-    anchors = {anchor for plan in plans.values() for _, anchor in plan}
+    anchors = {anchor for plan in plans.values() for _, anchor, _ in plan}
     assert anchors == {None, 0, 1}  # whole layers, and splits anchored on K and on C
     for name in ("w3/two_kfac", "w3/two_owned"):  # 2 whole layers on 3 ranks
-        owners = {owners for owners, _ in plans[name]}
+        owners = {owners for owners, _, _ in plans[name]}
         assert len(owners) == 2 and all(a == b for a, b in owners)
-    assert all(anchor is None for _, anchor in plans["w2/owned_dense"])
+    for name in ("w2/owned_dense", "w3/owned_dense"):  # sides never split when owned
+        assert all(a == b for (a, b), _, _ in plans[name])
+        helped = [(o, h) for (o, _), anchor, h in plans[name] if anchor is not None]
+        assert helped and all(h is not None and h != o for o, h in helped)
+    unowned = [plan for name, plan in plans.items() if "owned" not in name]
+    assert all(helper is None for plan in unowned for *_, helper in plan)
 
 
 @pytest.mark.parametrize("name", ["owned_dense", "owned_sparse", "owned_kfac"])
@@ -138,7 +143,7 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
     assert all(all(result[f"held/{name}"]) for result in w2)
     momenta = [result[f"momenta/{name}"] for result in w2]
     plan = w2[0][f"plan/{name}"]
-    for index, (owners, _) in enumerate(plan):
+    for index, (owners, *_) in enumerate(plan):
         for side in (0, 1):
             holders = [rank for rank in range(2) if momenta[rank][index][side]]
             assert holders == [owners[side]]
@@ -173,7 +178,9 @@ def test_checkpoints_load_across_strategies(
 
 
 # ------------------------------------------------------------------------ bytes
-@pytest.mark.parametrize("name", ["shard", "shard_dense", "owned", "factors"])
+@pytest.mark.parametrize(
+    "name", ["shard", "shard_dense", "owned", "owned_dense", "factors"]
+)
 def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
     for result in w2:
         for step in (0, 1):
@@ -187,13 +194,20 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
             # owners (owned factors too: no layer is split by column blocks)
             assert len(recorded["all_reduce"]) == len(recorded["all_to_all"])
             assert len(recorded["all_to_all"]) == (step == 0)
+    for step in (0, 1):  # the relay's messages, of both ranks together
+        sent = [sum(result[f"bytes/{name}/{step}"]["isend"]) for result in w2]
+        assert sum(sent) == w2[0][f"bytes/{name}/{step}/reported"]["relay"]
     update, plain = (w2[0][f"bytes/{name}/{step}/reported"] for step in (0, 1))
     dense = w2[0][f"bytes/{name}/dense"]["statistics"]
-    if name in ("shard_dense", "owned"):  # the linear layers' travel as rows
+    if name in ("shard_dense", "owned", "owned_dense"):  # linear layers': rows
         assert update["statistics"] < dense / 2  # (owned: any rule's raw rows)
     else:  # no dense side of SINGD or KFAC under Shard: nothing travels as rows
         assert update["statistics"] == dense
     assert update["gather"] > 0 and update["statistics"] > 0
+    if name in ("shard_dense", "owned_dense"):  # split, or helped: every step
+        assert plain["relay"] == update["relay"] > 0
+    elif name != "shard":  # sparse sides are not helped; factors: no directions
+        assert update["relay"] == plain["relay"] == 0
     if name == "factors":  # between updates nothing travels
         assert plain["gather"] == 0
     else:  # the directions travel every step

@@ -182,6 +182,7 @@ def test_one_process_sends_nothing() -> None:
     assert bytes_per_step(optimizer, update=True) == {
         "statistics": 0,
         "gather": 0,
+        "relay": 0,
         "checks": 0,
     }
 
@@ -199,7 +200,12 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     # inputs, each layer, each fallback parameter
     verdicts = 1 + len(optimizer.layers) + len(optimizer.fallback_params)
     checks = 16 + 4 * verdicts
-    assert plain == {"statistics": 0, "gather": 2 * max(shares) * 8, "checks": checks}
+    assert plain == {
+        "statistics": 0,
+        "gather": 2 * max(shares) * 8,
+        "relay": 0,  # (diagonal factors: no layer is split)
+        "checks": checks,
+    }
     update = bytes_per_step(optimizer, update=True, world_size=2)
     assert update["statistics"] == bytes_per_update(optimizer, world_size=2)
     assert update["gather"] > plain["gather"]  # the updated factors travel too

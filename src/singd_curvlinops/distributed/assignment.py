@@ -22,16 +22,27 @@ is the layer's smaller one. The model ranks work; it does not predict time.
 **Assignment.** Each layer is a *unit* owned by one rank (it updates both factors
 and computes \(\Delta = P_C \Gamma P_K\)), or, for rules whose sides can be
 updated apart (`FactorRule.splits_sides`), it may be *split*: one rank updates
-\(K\), another \(C\); the owner of the *anchor* side (the one whose application to
-\(\Gamma\) costs more) computes the half product (\(\Gamma P_K\) or
-\(P_C \Gamma\)), and every rank applies the other side after the exchange, so
-that side's cached product and application are paid on every rank. Units are
+\(K\), another \(C\); the owner of the other side applies it to \(\Gamma\) and
+sends the half product to the owner of the *anchor* side (the one whose
+application to \(\Gamma\) costs more), which applies the anchor side
+(`relay`): each side's owner pays its side's update, cached product and
+application, and nothing is paid twice. Units are
 placed largest first on the least loaded rank (LPT; ties go to the lower rank);
 then the costliest splittable layers are split, one at a time, as long as that
 lowers the largest load. Everything is a pure function of the layers' dimensions,
 structures and `T` and of the world size: every rank computes the same assignment
 without communicating. More ranks than units leave ranks without factor work; a
 layer that dominates the model is split.
+
+**Helpers.** Under `Shard(factors="owned")` both factors of a layer stay on
+its owner, so a layer is split differently: the owner updates both sides and
+applies the anchor side; a *helper* rank applies the other side. The owner
+updates that side first and sends the factor to the helper, which applies it to
+\(\Gamma\) (two products: it keeps no cached product) and sends the half
+product back (`relay`). Only SINGD's dense sides are helped (their coupling
+traces are read before either side changes). Helpers are placed like split
+layers: the costliest helpable layers first, as long as that lowers the largest
+load.
 
 **Column blocks.** Under `Shard(factors="owned")` a layer whose dense \(K\) and
 \(m_K\) alone hold more than a rank's fair share of all factor entries cannot be
@@ -88,19 +99,29 @@ class Assignment:
     Attributes:
         owners: The ranks that update side 0 (\(K\)) and side 1 (\(C\)).
         anchor: None if one rank owns the whole layer; else the side whose owner
-            computes the half product.
+            finishes \(\Delta\) from the other owner's half product.
         columns: Whether \(K\) is split by column blocks over all ranks (and
             \(C\) kept and updated by every rank); `owners` is then unused.
+        helper: Under owned factors, the rank that applies the side that is not
+            the anchor (the owner sends it that factor); None: no helper.
     """
 
     owners: tuple[int, int]
     anchor: int | None = None
     columns: bool = False
+    helper: int | None = None
 
     @property
     def direction_owner(self) -> int:
-        """The rank that computes the layer's (half-)preconditioned gradient."""
+        """The rank that computes the layer's preconditioned gradient."""
         return self.owners[0 if self.anchor is None else self.anchor]
+
+    @property
+    def sender(self) -> int | None:
+        """The rank that applies the side that is not the anchor (None: whole)."""
+        if self.anchor is None or self.columns:
+            return None
+        return self.owners[1 - self.anchor] if self.helper is None else self.helper
 
 
 @lru_cache(maxsize=1024)
@@ -163,6 +184,8 @@ def assign(
     world_size: int,
     entries: Sequence[tuple[int, int]] = (),
     columns: Sequence[bool] = (),
+    *,
+    helpers: bool = False,
 ) -> list[Assignment]:
     r"""Assign every layer's factor work to ranks (see the module docs).
 
@@ -173,6 +196,8 @@ def assign(
             needed with `columns`).
         columns: Per layer, whether its \(K\) may be split by column blocks
             (`column_layers`); empty: none may.
+        helpers: Whether the `splittable` layers get a helper (owned factors)
+            instead of being split by sides.
 
     Returns:
         Per layer, its `Assignment`.
@@ -187,19 +212,19 @@ def assign(
     split_columns = column_layers(entries, columns, world_size) if columns else ()
     if split_columns:
         whole = [i for i in range(len(costs)) if i not in split_columns]
-        placed = assign([costs[i] for i in whole], world_size)
+        placed = assign([costs[i] for i in whole], world_size, helpers=helpers)
         by_index = dict(zip(whole, placed, strict=True))
         return [
             by_index.get(i, Assignment((0, 0), columns=True)) for i in range(len(costs))
         ]
     split: frozenset[int] = frozenset()
-    best = _schedule(costs, world_size, split)
+    best = _schedule(costs, world_size, split, helpers)
     candidates = sorted(
         (i for i, cost in enumerate(costs) if cost.splittable),
         key=lambda i: (-costs[i].whole, i),
     )
     for index in candidates:
-        trial = _schedule(costs, world_size, split | {index})
+        trial = _schedule(costs, world_size, split | {index}, helpers)
         if not trial.makespan < best.makespan:
             break
         split, best = split | {index}, trial
@@ -207,24 +232,34 @@ def assign(
 
 
 def _schedule(
-    costs: Sequence[LayerCost], world_size: int, split: frozenset[int]
+    costs: Sequence[LayerCost],
+    world_size: int,
+    split: frozenset[int],
+    helpers: bool = False,
 ) -> _Schedule:
     """Place the units largest first on the least loaded rank.
 
     Args:
         costs: Per layer.
         world_size: The number of ranks.
-        split: The layers whose sides are separate units.
+        split: The layers whose sides (or whose helped side) are separate units.
+        helpers: Whether a split layer's other unit is a helper's application
+            of the side that is not the anchor (its owner does the rest).
 
     Returns:
-        The assignment; a split layer whose sides land on one rank is whole.
+        The assignment; a split layer whose units land on one rank is whole.
     """
     units = []  # (cost, layer, side or -1 for the whole layer)
     for index, cost in enumerate(costs):
-        if index in split:
-            a, b = cost.anchor, 1 - cost.anchor
-            units.append((cost.update[a] + cost.build[a] + cost.apply[a], index, a))
-            units.append((cost.update[b], index, b))
+        a, b = cost.anchor, 1 - cost.anchor
+        if index in split and helpers:  # uncached: two products on the helper
+            helped = cost.apply[b] * (2 if cost.build[b] else 1)
+            units.append((cost.whole - cost.build[b] - cost.apply[b], index, a))
+            units.append((helped, index, b))
+        elif index in split:
+            for side in (a, b):
+                work = cost.update[side] + cost.build[side] + cost.apply[side]
+                units.append((work, index, side))
         else:
             units.append((cost.whole, index, -1))
     units.sort(key=lambda unit: (-unit[0], unit[1], unit[2]))
@@ -234,20 +269,24 @@ def _schedule(
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         loads[rank] += work
         owner[index, side] = rank
-    assignments, replicated = [], 0.0
-    for index, cost in enumerate(costs):
+    assignments = []
+    for index in range(len(costs)):
         if index not in split:
             rank = owner[index, -1]
             assignments.append(Assignment((rank, rank)))
             continue
-        owners, b = (owner[index, 0], owner[index, 1]), 1 - cost.anchor
-        if owners[0] == owners[1]:  # both sides on one rank: it does everything
-            loads[owners[0]] += cost.build[b] + cost.apply[b]
-            assignments.append(Assignment(owners))
+        owners = (owner[index, 0], owner[index, 1])
+        anchor = None if owners[0] == owners[1] else costs[index].anchor
+        if anchor is None:  # both units on one rank: it does everything
+            assignments.append(Assignment(owners[:1] * 2))
+        elif helpers:  # the anchor's unit owns both factors
+            kept = owners[anchor]
+            assignments.append(
+                Assignment((kept, kept), anchor, helper=owners[1 - anchor])
+            )
         else:
-            replicated += cost.build[b] + cost.apply[b]
-            assignments.append(Assignment(owners, cost.anchor))
-    return _Schedule(tuple(assignments), max(loads) + replicated)
+            assignments.append(Assignment(owners, anchor))
+    return _Schedule(tuple(assignments), max(loads))
 
 
 def column_blocks(dim: int, world_size: int) -> list[tuple[int, int]]:
@@ -310,7 +349,9 @@ def assign_layers(
         rule: The factor rule (whether sides may split).
         world: The number of ranks.
         owned: Whether only owners keep factors (`Shard(factors="owned")`): sides
-            are not split, and SINGD may split a dense \(K\) by column blocks.
+            are not split, SINGD's layers may get a helper for a dense side that
+            is not the anchor, and SINGD may split a dense \(K\) by column
+            blocks.
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
 
@@ -323,10 +364,14 @@ def assign_layers(
         group = layer.options(groups[layer.group_index])
         structures = rule.structures(group)
         cost = layer_cost(structures, layer.dims, group["T"], splits)
+        if owned and type(rule) is SINGDRule:  # a helper for a dense other side
+            other = structures[1 - cost.anchor] == "dense"
+            cost = replace(cost, splittable=other and not share_factors)
         if share_factors:
             cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
         costs.append(cost)
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
         dense_K = structures[0] == "dense"
         columns.append(owned and type(rule) is SINGDRule and dense_K)
-    return dict(zip(layers, assign(costs, world, entries, columns), strict=True))
+    plan = assign(costs, world, entries, columns, helpers=owned)
+    return dict(zip(layers, plan, strict=True))

@@ -10,8 +10,12 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   holds `world_size` times the largest share. Layers whose \(K\) is split by
   column blocks (`columns`) add, on update steps, the gather of the blocks and
   two partial traces each (and of one maximum each with `normalize_lr_cov`).
-  Factors travel on update steps (`factors="replicated"`), (half-)preconditioned
-  gradients on every step.
+  Factors travel on update steps (`factors="replicated"`), preconditioned
+  gradients (or FSDP2's rows, or column blocks' terms) on every step.
+- **relay**: the point-to-point messages of split layers (`relay`):
+  \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
+  the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
+  one other (all ranks' messages together).
 - **checks**: the configuration check (once), the step check of `Shard` (two
   64-bit integers per step) and its agreement on the step guard's verdicts (a
   32-bit integer for the step's inputs, for each side of each updated layer,
@@ -117,8 +121,9 @@ def bytes_per_step(
         rows: The statistics rows per process (see `bytes_per_update`).
 
     Returns:
-        `{"statistics": ..., "gather": ..., "checks": ...}` in bytes; the
-        gathered buffer as every rank receives it.
+        `{"statistics": ..., "gather": ..., "relay": ..., "checks": ...}` in
+        bytes; the gathered buffer as every rank receives it, the relay's
+        messages of all ranks together.
     """
     strategy = optimizer.distribution
     world = world_size or collectives.world_size()
@@ -128,7 +133,7 @@ def bytes_per_step(
         else 0
     )
     if not isinstance(strategy, Shard) or world == 1:
-        return {"statistics": statistics, "gather": 0, "checks": 0}
+        return {"statistics": statistics, "gather": 0, "relay": 0, "checks": 0}
     layers = list(optimizer.layers)
     groups = optimizer.param_groups
     rule = optimizer.rule
@@ -151,9 +156,19 @@ def bytes_per_step(
     split = [layer for layer in layers if plan[layer].columns]
     if update and split:
         gathered += _column_bytes(split, groups, world)
+    relay = 0
+    for layer in filter(step.relayed, layers):
+        relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize
+        if plan[layer].helper is not None:  # the factor shipped to the helper
+            relay += layer.dims[1 - plan[layer].anchor] ** 2 * itemsize
     verdicts = 1 + 2 * len(layers) * update + len(layers)
     verdicts += len(optimizer.fallback_params)
-    return {"statistics": statistics, "gather": gathered, "checks": 16 + 4 * verdicts}
+    return {
+        "statistics": statistics,
+        "gather": gathered,
+        "relay": relay,
+        "checks": 16 + 4 * verdicts,
+    }
 
 
 def _column_bytes(layers: list, groups: list, world: int) -> int:

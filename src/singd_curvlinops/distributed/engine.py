@@ -5,19 +5,22 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
 1. **updates factors** where they are owned (every rank takes the all-reduced
    statistics; the owner of a side, or of the layer, applies the rule);
 2. **preconditions** where it is owned: the owner of a whole layer computes
-   \(\Delta = P_C \Gamma P_K\); for a split layer, the owner of the anchor side
-   computes the half product (\(\Gamma P_K\) or \(P_C \Gamma\)); a layer sharded
-   by FSDP2 has every rank precondition its rows of \(\Gamma P_K\) (see `fsdp`);
-   a layer whose \(K\) is split by column blocks has every rank compute its term
-   of \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
+   \(\Delta = P_C \Gamma P_K\); a layer split by sides is preconditioned in a
+   relay (`relay`): the owner of the other side applies it to \(\Gamma\) right
+   after its update and sends the half product point-to-point to the anchor's
+   owner, which applies the anchor side; a layer sharded by FSDP2 has every
+   rank precondition its rows of \(\Gamma P_K\) (see `fsdp`); a layer whose
+   \(K\) is split by column blocks has every rank compute its term of
+   \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
    updated before, together, in a collective of their own: see `columns`);
-3. **shares** in one `all_gather`: each rank's (half-)preconditioned gradients,
-   one flag each (0: the layer has no gradient), and — if the factors are
-   replicated — the updated factors of its sides (not their momenta, which only
-   the owner reads: `FactorRule.owner_state`);
-4. **applies**: received state entries replace the local ones; every rank applies
-   the remaining side of split and row-sharded layers, and then weight decay,
-   momentum and the learning rate to every layer's \(\Delta\).
+3. **shares** in one `all_gather`: each rank's preconditioned gradients (its
+   rows, or its terms), one flag each (0: the layer has no gradient), and — if
+   the factors are replicated — the updated factors of its sides (not their
+   momenta, which only the owner reads: `FactorRule.owner_state`);
+4. **applies**: received state entries replace the local ones; every rank
+   applies the remaining side of row-sharded layers, adds up the terms of
+   column-split layers, and then applies weight decay, momentum and the
+   learning rate to every layer's \(\Delta\).
 
 Every rank applies the same gathered numbers, so the replicated parameters (and
 factors) stay bit-identical across ranks. The layout of every rank's share is
@@ -54,6 +57,7 @@ from singd_curvlinops.distributed.layout import (
     shape_of,
     side_of,
 )
+from singd_curvlinops.distributed.relay import Relay
 from singd_curvlinops.layers import Layer
 
 
@@ -89,6 +93,7 @@ class GatheredStep:
         self.dense_statistics = dense_statistics
         self.local_directions = local_directions
         self.me, self.world = rank(), world or world_size()
+        self._relay: Relay | None = None  # (one per step, in `__call__`)
 
     def __call__(self, layers: Sequence[Layer]) -> None:
         """Update, precondition, share and apply (see the module docs).
@@ -98,9 +103,15 @@ class GatheredStep:
         """
         due = [self.stepper.due(layer) for layer in layers]
         self._update_columns(layers, due)
+        relayed = [layer for layer in layers if self.relayed(layer)]
+        dtype = buffer_dtype(layers, self.stepper.groups) if relayed else None
+        self._relay = Relay(self.stepper, self.plan, layers, relayed, dtype, self.me)
         for layer, is_due in zip(layers, due, strict=True):
             if not self._split(layer):
                 self._update(layer, is_due)
+                self._relay.send(layer)
+        for layer in relayed:  # a helper's work, after its own updates
+            self._relay.help(layer)
         self.stepper.settle_factors()  # (the guard's host numbers, before sharing)
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = self.layouts(layers, due)
@@ -108,6 +119,7 @@ class GatheredStep:
             self._share(layers, first, {})
         values = {layer: self._direction(layer, layer in sharded) for layer in layers}
         received = self._share(layers, layout, values)
+        self._relay.finish()
         for layer in layers:
             if layer in received:
                 self._apply(layer, received[layer], layer in sharded)
@@ -148,11 +160,32 @@ class GatheredStep:
             sides = owned_sides(self.plan[layer], self.me)
             if self.dense_statistics and statistics is not None and sides:
                 statistics = statistics_on_owner(self.stepper, layer, statistics)
-            if self.stepper.rule.splits_sides and (sides or self.share_state):
+            if self._relay.helped_here(layer) and statistics is not None:
+                self._relay.update_helped(layer, statistics)
+            elif self.stepper.rule.splits_sides and (sides or self.share_state):
                 self.stepper.update(layer, statistics, sides)  # () advances counters
             elif sides:
                 self.stepper.update(layer, statistics)
         self.stepper.finish(layer, due=due)
+        self._relay.ship(layer)  # (a helped layer's factor, also between updates)
+
+    def relayed(self, layer: Layer) -> bool:
+        """Return whether a layer is split by sides over two ranks (`relay`).
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Whether its owners differ and it is preconditioned by them.
+        """
+        assignment = self.plan[layer]
+        return (
+            assignment is not None
+            and assignment.anchor is not None
+            and not assignment.columns
+            and not self._local(layer)
+            and not is_sharded(layer)
+        )
 
     def _split(self, layer: Layer) -> bool:
         r"""Return whether the layer's \(K\) is split by column blocks (`columns`).
@@ -268,10 +301,10 @@ class GatheredStep:
         grad = self.stepper.gradient(layer) if mine else None
         if grad is None:
             return None
-        split = not (sharded or local_work) and assignment.anchor is not None
-        if split:  # the anchor side alone; its product stays cached until the update
+        if self.relayed(layer):  # the anchor side on the other side's half product
+            half = self._relay.receive(layer)
             record = self.stepper.preconditioner(layer, (assignment.anchor,))
-            return record.apply_side(assignment.anchor, grad, overwrite=True)
+            return record.apply_side(assignment.anchor, half, overwrite=True)
         record = self.stepper.preconditioner(layer, (0, 1))
         if sharded:
             return record.apply_side(0, grad, overwrite=True)
@@ -351,7 +384,9 @@ class GatheredStep:
             return value if isinstance(value, Tensor) else torch.tensor([value])
         direction = values.get(item.layer)
         if item.kind == "flag":
-            return torch.tensor([float(direction is not None)], device=weight.device)
+            flag = torch.tensor([float(direction is not None)], device=weight.device)
+            relayed = self._relay.flag(item.layer) if self._relay else None
+            return flag if relayed is None else flag * relayed.to(flag.dtype)
         if direction is not None and tuple(direction.shape) == item.shape:
             return direction
         padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
@@ -407,8 +442,4 @@ class GatheredStep:
             direction, flag = parts[assignment.direction_owner]
             if not flag:
                 return
-            if assignment.anchor is not None:
-                other = 1 - assignment.anchor
-                record = self.stepper.preconditioner(layer, (other,))
-                direction = record.apply_side(other, direction, overwrite=True)
         self.stepper.apply(layer, direction.to(weight.dtype))

@@ -124,6 +124,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     grafted = Case({**SPARSE, "graft": "adamw"}, distribute="owned")
     _resume(results, out, grafted, "owned-graft")
     _resume(results, out, Case(SPARSE, "fsdp"), "fsdp", files=False)
+    _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
+    _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     for saved, loaded in (
         ("replicate", "shard"),
         ("replicate", "owned"),

@@ -150,7 +150,9 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
 
 
 # ------------------------------------------------------------------ checkpoints
-@pytest.mark.parametrize("tag", ["shard", "owned", "owned-graft", "fsdp"])
+@pytest.mark.parametrize(
+    "tag", ["shard", "owned", "owned-graft", "fsdp", "shard-relay", "owned-helper"]
+)
 def test_a_resumed_sharded_run_continues_bit_identically(
     w2: list[dict], tag: str
 ) -> None:

@@ -117,7 +117,9 @@ class GatheredStep:
         first, layout = self.layouts(layers, due)
         if first:  # the factors first, then the preconditioning
             self._share(layers, first, {})
-        values = {layer: self._direction(layer, layer in sharded) for layer in layers}
+        # the relayed layers last: their half products arrive meanwhile
+        ordered = sorted(layers, key=self.relayed)
+        values = {layer: self._direction(layer, layer in sharded) for layer in ordered}
         received = self._share(layers, layout, values)
         self._relay.finish()
         for layer in layers:

@@ -59,10 +59,14 @@ class DenseMatrix(StructuredMatrix):
 
     @override
     def _matmat(self, V: Tensor) -> Tensor:
+        if _few_transposed_columns(V):
+            return (V.T @ self.mat.T).T
         return self.mat @ V
 
     @override
     def _rmatmat(self, V: Tensor) -> Tensor:
+        if _few_transposed_columns(V):
+            return (V.T @ self.mat).T
         return self.mat.T @ V
 
     @override
@@ -107,3 +111,25 @@ class DenseMatrix(StructuredMatrix):
     @override
     def frobenius_norm(self) -> Tensor:
         return torch.linalg.vector_norm(self.mat)
+
+
+FEW_COLUMNS = 32  # (the measured threshold, see `_few_transposed_columns`)
+
+
+def _few_transposed_columns(V: Tensor) -> bool:
+    r"""Return whether `V` is a transposed matrix of fewer than 32 columns.
+
+    Preconditioning multiplies \(\Gamma^\top\), a transposed view, and a
+    classifier's \(\Gamma\) has few rows. CPU BLAS multiplies a transposed
+    \(d \times d\) factor with such a view about ten times slower than the same
+    product in the view's own layout, \((V^\top M)^\top = M^\top V\) (one
+    thread, \(d = 513\), 10 columns: 1.27 against 0.12 ms; from 32 columns on
+    both take the same time, and from 64 on the usual order is up to 9% faster).
+
+    Args:
+        V: The right operand, `[d, n]`.
+
+    Returns:
+        True if it has fewer than 32 columns and is stored as its transpose.
+    """
+    return V.dim() == 2 and V.shape[1] < FEW_COLUMNS and V.T.is_contiguous()

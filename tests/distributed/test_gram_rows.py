@@ -7,6 +7,8 @@ the rule's statistics (SINGD: \\(K^\\top a^\\top a K\\), KFAC: \\(a^\\top a\\)).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,9 +16,15 @@ from singd_curvlinops.distributed.gram_rows import (
     GramRows,
     as_structured,
     project_to_rows,
+    statistics_on_owner,
 )
 from singd_curvlinops.pending import PendingStatistics
-from singd_curvlinops.rules import KFACRule, Preconditioner, SINGDRule
+from singd_curvlinops.rules import (
+    FactorStatistics,
+    KFACRule,
+    Preconditioner,
+    SINGDRule,
+)
 from singd_curvlinops.structures import DenseMatrix
 
 TOLERANCE = 1e-12
@@ -103,6 +111,33 @@ def test_rows_give_the_rules_statistics(rule: object) -> None:
     for kept, reference in zip(actual, expected, strict=True):
         assert isinstance(kept, GramRows)
         assert _close(kept.dense().mat, reference.to_dense())
+
+
+@pytest.mark.parametrize("rule", [SINGDRule(), KFACRule()], ids=["singd", "kfac"])
+@pytest.mark.parametrize("dense_side", [0, 1])
+def test_owners_project_a_side_of_rows_and_a_dense_side(
+    rule: object, dense_side: int
+) -> None:
+    """One side as rows, the other folded dense: as one process projects them."""
+    a, g = _rows(3, 6, 9), _rows(3, 4, 10)
+    K, C = DenseMatrix(_rows(6, 6, 11)), DenseMatrix(_rows(4, 4, 12))
+    group = {"structures": ("dense", "dense")}
+    record = Preconditioner(K, C, square_roots=True)
+    expected = rule.project(
+        record if rule.reads_preconditioner else None, a.clone(), g.clone(), group=group
+    )
+    raw = [GramRows(a.clone()), GramRows(g.clone())]
+    more = (a, g)[dense_side]
+    raw[dense_side].add_(GramRows(torch.cat([more] * 3)))  # 12 rows: folded
+    raw[dense_side].mul_(0.25)  # (the same Gram matrix, now dense)
+    assert raw[dense_side].num_rows is None and raw[1 - dense_side].num_rows == 3
+    stepper = SimpleNamespace(
+        rule=rule, preconditioner=lambda layer, sides: record, group=lambda _: group
+    )
+    layer = SimpleNamespace(dims=(6, 4))
+    owned = statistics_on_owner(stepper, layer, FactorStatistics(collected=raw))
+    for kept, reference in zip(owned.collected, expected, strict=True):
+        assert _close(kept.to_dense(), reference.to_dense())
 
 
 def test_misuse_raises() -> None:

@@ -271,11 +271,12 @@ def statistics_on_owner(
     r"""Return the owner's statistics of a layer from the raw rows of all ranks.
 
     Under `Shard(factors="owned")` the hooks keep the raw rows \(a\),
-    \(\tilde g\) (no rank but the owner holds the factors); where both sides
-    arrived as rows, SINGD and KFAC project them here as their hooks would on one
+    \(\tilde g\) (no rank but the owner holds the factors); SINGD and KFAC
+    project the sides that arrived as rows here as their hooks would on one
     process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
     rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
-    \(U = R^\top R\)). Otherwise the dense \(U_K\), \(U_C\) are handed over.
+    \(U = R^\top R\)), and a side that arrived as \(U\) with `project_dense`.
+    Other rules get the dense \(U_K\), \(U_C\) handed over.
 
     Args:
         stepper: The shell's `LayerStepper`.
@@ -287,14 +288,24 @@ def statistics_on_owner(
     """
     collected = statistics.collected
     rule = stepper.rule
-    if (
-        collected is not None
-        and type(rule) in (SINGDRule, KFACRule)
-        and all(isinstance(M, GramRows) and M.num_rows is not None for M in collected)
-    ):
-        reads = rule.reads_preconditioner
-        record = stepper.preconditioner(layer, ()) if reads else None
-        a, g = (M.rows for M in collected)
-        projected = rule.project(record, a, g, group=stepper.group(layer))
-        return FactorStatistics(collected=projected)
-    return as_dense(statistics)
+    if collected is None or type(rule) not in (SINGDRule, KFACRule):
+        return as_dense(statistics)
+    rows = [
+        M.rows if isinstance(M, GramRows) and M.num_rows is not None else None
+        for M in collected
+    ]
+    if all(R is None for R in rows):
+        return as_dense(statistics)
+    record = stepper.preconditioner(layer, ()) if rule.reads_preconditioner else None
+    group = stepper.group(layer)
+    present = next(R for R in rows if R is not None)
+    stand_ins = [  # no rows for a side that arrived dense (projected below)
+        present.new_zeros(0, dim) if R is None else R
+        for R, dim in zip(rows, layer.dims, strict=True)
+    ]
+    projected = list(rule.project(record, *stand_ins, group=group))
+    for side, R in enumerate(rows):
+        if R is None:
+            U = as_structured(collected[side]).to_dense()
+            projected[side] = rule.project_dense(record, U, side, group=group)
+    return FactorStatistics(collected=tuple(projected))

@@ -267,6 +267,36 @@ class FactorRule(ABC):
             The two matrices that accumulate over micro-batches.
         """
 
+    def project_dense(
+        self,
+        preconditioner: Preconditioner | None,
+        U: Tensor,
+        side: int,
+        *,
+        group: Mapping[str, Any],
+    ) -> StructuredMatrix:
+        r"""Return one side's statistics from its dense \(U\) (`project`'s form).
+
+        What `project` forms from rows \(B\) with \(B^\top B = U\), for a side
+        whose rows were summed into \(U\) (the owners of `Shard(factors="owned")`
+        get one side as rows and the other as \(U\)).
+
+        Args:
+            preconditioner: As for `project`.
+            U: The side's dense statistics, `[d, d]`.
+            side: 0 for the input side, 1 for the output side.
+            group: The layer's options.
+
+        Returns:
+            The side's statistics.
+
+        Raises:
+            NotImplementedError: For rules without this form (the default).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not project one side's dense statistics."
+        )
+
     def zero_statistics(
         self,
         group: dict[str, Any],

@@ -98,6 +98,17 @@ class KFACRule(FactorRule):
         K_structure, C_structure = (get_structure(n) for n in group["structures"])
         return gram(K_structure, a), gram(C_structure, g)
 
+    def project_dense(
+        self,
+        preconditioner: Preconditioner | None,
+        U: Tensor,
+        side: int,
+        *,
+        group: Mapping[str, Any],
+    ) -> StructuredMatrix:
+        r"""Return \(\Pi(U)\) in the side's structure."""
+        return get_structure(group["structures"][side]).from_dense(U)
+
     def update(
         self,
         state: dict[str, Any],

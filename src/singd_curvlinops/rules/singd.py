@@ -132,6 +132,17 @@ class SINGDRule(FactorRule):
             project_rows(preconditioner.C, g, overwrite=False),
         )
 
+    def project_dense(
+        self,
+        preconditioner: Preconditioner,
+        U: Tensor,
+        side: int,
+        *,
+        group: Mapping[str, Any],
+    ) -> StructuredMatrix:
+        r"""Return \(\Pi(F^\top U F)\) for the side's factor \(F\) (\(K\) or \(C\))."""
+        return _projected((preconditioner.K, preconditioner.C)[side], U)
+
     def update(
         self,
         state: dict[str, Any],
@@ -247,9 +258,21 @@ def _statistics(
     if statistics.handed_over is None:
         return list(statistics.collected)
     return [  # dense U: project Kᵀ U K
-        M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
-        for M, U in zip(factors, statistics.handed_over, strict=True)
+        _projected(M, U) for M, U in zip(factors, statistics.handed_over, strict=True)
     ]
+
+
+def _projected(M: StructuredMatrix, U: Tensor) -> StructuredMatrix:
+    r"""Return \(\Pi(M^\top U M)\) from a dense \(U\).
+
+    Args:
+        M: The factor.
+        U: Dense statistics, `[d, d]`.
+
+    Returns:
+        The projection, in `M`'s structure and dtype.
+    """
+    return M.from_dense(_symmetric(M.rmatmat(M.rmatmat(U.to(M.dtype)).T)))
 
 
 def _symmetric(mat: Tensor) -> Tensor:

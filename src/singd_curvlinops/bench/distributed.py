@@ -289,6 +289,7 @@ _HEADER = (
     "× replicate",
     "statistics MiB/update",
     "gathered MiB update / other",
+    "relay MiB/step",
     "MiB/step",
 )
 
@@ -302,7 +303,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     Returns:
         The table: one row per setting.
     """
-    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 8 + "|"]
+    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 9 + "|"]
     for r in records:
         times = r["block_ms_per_step"]
         update, plain = r["update_bytes"], r["plain_bytes"]
@@ -317,6 +318,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             _ratio(r["factor_vs_replicate"]),
             f"{update['statistics'] / MIB:.2f}",
             f"{update['gather'] / MIB:.2f} / {plain['gather'] / MIB:.2f}",
+            f"{update['relay'] / MIB:.2f}",
             f"{r['mib_per_step']:.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -389,6 +391,8 @@ def preamble(args: Any) -> str:
         "exchange of an update step (an all-reduce under replicate; under shard "
         "each side's statistics sent to its owner in one all-to-all); `gathered`: the "
         "all_gather(s) of an update step and of "
-        "another step (what every process receives); `MiB/step`: all of it "
-        "averaged over T steps, without DDP's gradient all-reduce."
+        "another step (what every process receives); `relay`: the point-to-point "
+        "half products (and a helper's factors) of split layers, every step, all "
+        "processes' messages together; `MiB/step`: all of it averaged over T "
+        "steps, without DDP's gradient all-reduce."
     )

@@ -41,9 +41,12 @@ def test_conv1d_trains_as_the_transposed_linear_layer(cls, options) -> None:
             optimizer.zero_grad()
             nn.functional.cross_entropy(net(X).mean(1), y).backward()
             optimizer.step()
+    # the same numbers up to round-off: the two layers' gradient matrices have
+    # transposed layouts, which dense factors multiply by different BLAS paths
+    # (`structures.dense`), and KFAC's inverses amplify the difference (1.5e-12)
     for c, lin in zip(conv[::2], linear[::2], strict=True):
-        torch.testing.assert_close(c.weight.T, lin.weight, rtol=0, atol=1e-12)
-        torch.testing.assert_close(c.bias, lin.bias, rtol=0, atol=1e-12)
+        torch.testing.assert_close(c.weight.T, lin.weight, rtol=0, atol=1e-11)
+        torch.testing.assert_close(c.bias, lin.bias, rtol=0, atol=1e-11)
 
 
 def test_conv1d_is_recognised_without_importing_transformers() -> None:

@@ -172,13 +172,14 @@ class GatheredStep:
         self._relay.ship(layer)  # (a helped layer's factor, also between updates)
 
     def relayed(self, layer: Layer) -> bool:
-        """Return whether a layer is split by sides over two ranks (`relay`).
+        """Return whether two ranks precondition a layer in turn (`relay`).
 
         Args:
             layer: The layer.
 
         Returns:
-            Whether its owners differ and it is preconditioned by them.
+            Whether it is split by sides or has a helper, and its owners (not
+            every rank, not its row shards) precondition it.
         """
         assignment = self.plan[layer]
         return (

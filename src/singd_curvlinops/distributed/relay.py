@@ -59,8 +59,9 @@ class Relay:
         stepper: The shell's per-layer operations.
         plan: Per layer, its assignment.
         layers: The step's layers, in the same order on every rank.
-        relayed: The split layers (a subset of `layers`).
-        dtype: The messages' dtype (the step's gather dtype).
+        relayed: The layers split by sides or helped (a subset of `layers`).
+        dtype: The messages' dtype (the step's gather dtype; None if there are
+            no such layers).
         me: This rank.
     """
 
@@ -70,7 +71,7 @@ class Relay:
         plan: dict[Layer, Assignment | None],
         layers: list[Layer],
         relayed: Iterable[Layer],
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         me: int,
     ) -> None:
         self.stepper, self.plan, self.dtype, self.me = stepper, plan, dtype, me
@@ -203,8 +204,8 @@ class Relay:
         self._shipped.add(layer)
         side = 1 - assignment.anchor
         state = self.stepper.state[layer.weight]
-        factor = load_factor(state, ("K", "C")[side], "dense").to_dense()
-        message = factor.reshape(-1).to(self.dtype, copy=True)
+        factor = load_factor(state, ("K", "C")[side], "dense").to_dense()  # (a copy)
+        message = factor.reshape(-1).to(self.dtype)
         tag = len(self._tags) + self._tags[layer]
         with named_collective(self._what(layer)):
             work = dist.isend(message, dst=assignment.helper, tag=tag)

@@ -24,8 +24,12 @@ on every rank.
 Every rank derives from the plan which messages it sends and receives (per
 split layer a half product, tagged with the layer's position in the step, and
 a factor for a helper, tagged after them); a half product carries one extra
-number, 0 if the sender had no gradient. All of them complete before the step
-ends (`finish`).
+number, 0 if the sender had no gradient. Each rank sends in one order — during
+the updates, layer by layer, the split layers' half products and the helpers'
+factors; after them the helpers' half products — and posts its receives in the
+same order, so that backends that match a pair's messages by order (NCCL)
+pair them as gloo does by tag. All of them complete before the step ends
+(`finish`).
 """
 
 from __future__ import annotations
@@ -82,15 +86,14 @@ class Relay:
         self._flags: dict[Layer, Tensor] = {}
         self._factors: dict[Layer, tuple[Tensor, Any]] = {}
         self._shipped: set[Layer] = set()
+        # Receives are posted in the order the senders send (backends such as
+        # NCCL match a pair's messages by order, not by tag): first what is
+        # sent during the updates, layer by layer (half products of split
+        # layers, factors for helpers), then the helpers' half products.
         for layer in self._relayed:
             assignment = plan[layer]
-            if assignment.direction_owner == me:
-                buffer = self._buffer(layer)
-                with named_collective(self._what(layer)):
-                    work = dist.irecv(
-                        buffer, src=assignment.sender, tag=self._tags[layer]
-                    )
-                self._incoming[layer] = (buffer, work)
+            if assignment.direction_owner == me and assignment.helper is None:
+                self._incoming[layer] = self._receive_half(layer)
             if assignment.helper == me:
                 dim = layer.dims[1 - assignment.anchor]
                 factor = torch.empty(
@@ -103,6 +106,26 @@ class Relay:
                         tag=len(layers) + self._tags[layer],
                     )
                 self._factors[layer] = (factor, work)
+        for layer in self._relayed:
+            assignment = plan[layer]
+            if assignment.direction_owner == me and assignment.helper is not None:
+                self._incoming[layer] = self._receive_half(layer)
+
+    def _receive_half(self, layer: Layer) -> tuple[Tensor, Any]:
+        """Post the receive of a layer's half product (on the anchor's owner).
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            The buffer and the backend's work.
+        """
+        buffer = self._buffer(layer)
+        with named_collective(self._what(layer)):
+            work = dist.irecv(
+                buffer, src=self.plan[layer].sender, tag=self._tags[layer]
+            )
+        return buffer, work
 
     def _buffer(self, layer: Layer) -> Tensor:
         """Return an empty message for a layer: its half product and a flag.

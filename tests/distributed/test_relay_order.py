@@ -16,7 +16,7 @@ import torch
 
 from singd_curvlinops.distributed import relay as relay_module
 from singd_curvlinops.distributed.assignment import Assignment
-from singd_curvlinops.rules.base import store_factor
+from singd_curvlinops.rules.factors import store_factor
 from singd_curvlinops.structures import DenseMatrix
 
 DIMS = {"split": (5, 4), "helped_by_1": (6, 3), "helped_by_0": (4, 7)}

@@ -52,7 +52,7 @@ from singd_curvlinops.distributed.collectives import (
 )
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.base import load_factor, store_factor
+from singd_curvlinops.rules.factors import load_factor, store_factor
 from singd_curvlinops.rules.singd import resolved_alpha1
 from singd_curvlinops.update import (
     FactorHyperparameters,

@@ -46,7 +46,8 @@ from singd_curvlinops.distributed.assignment import Assignment
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.base import FactorStatistics, load_factor
+from singd_curvlinops.rules.base import FactorStatistics
+from singd_curvlinops.rules.factors import load_factor
 from singd_curvlinops.structures import DenseMatrix
 from singd_curvlinops.update import precondition_input_side, precondition_output_side
 

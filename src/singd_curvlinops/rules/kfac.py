@@ -28,10 +28,8 @@ from singd_curvlinops.rules.base import (
     FactorRule,
     FactorStatistics,
     Preconditioner,
-    gram,
-    load_factor,
-    store_factor,
 )
+from singd_curvlinops.rules.factors import gram, load_factor, store_factor
 from singd_curvlinops.structures import (
     DenseMatrix,
     DiagonalMatrix,

@@ -25,10 +25,8 @@ from singd_curvlinops.rules.base import (
     FactorRule,
     FactorStatistics,
     Preconditioner,
-    load_factor,
-    project_rows,
-    store_factor,
 )
+from singd_curvlinops.rules.factors import load_factor, project_rows, store_factor
 from singd_curvlinops.structures import StructuredMatrix, get_structure
 from singd_curvlinops.update import (
     FactorHyperparameters,

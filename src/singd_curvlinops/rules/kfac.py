@@ -121,8 +121,10 @@ class KFACRule(FactorRule):
         factors = [load_factor(state, p, names[side]) for p, side in self.factor_sides]
         if statistics.handed_over is not None:
             U = tuple(
-                type(F).from_dense(U.to(F.dtype))
-                for F, U in zip(factors, statistics.handed_over, strict=True)
+                self.project_dense(preconditioner, U.to(F.dtype), side, group=group)
+                for side, (F, U) in enumerate(
+                    zip(factors, statistics.handed_over, strict=True)
+                )
             )
         else:
             U = statistics.collected

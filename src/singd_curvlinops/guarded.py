@@ -50,13 +50,21 @@ class GuardedSteps:
             others: The fallback parameters of this step.
 
         Returns:
-            A 0-d boolean tensor (gradients unchecked if a `GradScaler` did).
+            A 0-d boolean tensor (gradients unchecked if a `GradScaler` did),
+            the same on every rank: statistics that the ranks hold differently
+            after `Shard`'s exchange count with the verdict it agreed on
+            (`PendingStatistics.agreed_finite`).
         """
         found_inf = getattr(self, "found_inf", None)
         params = [p for layer in layers for p in layer.params] + others
         tensors = [p.grad for p in params if p.grad is not None and found_inf is None]
+        agreed = True  # (statistics whose verdict the ranks' exchange agreed on)
         for pending in self._collector.pending.values():
-            tensors += pending.H_K.tensors() + pending.H_C.tensors()
+            if pending.agreed_finite is None:
+                tensors += pending.H_K.tensors() + pending.H_C.tensors()
+            else:
+                agreed = agreed and pending.agreed_finite
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = torch.device("cpu") if first is None else first.device
-        return inputs_verdict(tensors, found_inf, device)
+        verdict = inputs_verdict(tensors, found_inf, device)
+        return verdict if agreed else torch.zeros_like(verdict)

@@ -63,6 +63,10 @@ class PendingStatistics:
         pass_rows: Rows of the open pass.
         pass_examples: Examples of the open pass.
         examples: The rows for per-example gradients (rules with `per_example`).
+        agreed_finite: Set by an exchange after which the ranks hold different
+            statistics of the layer (`Shard`'s owners): whether every rank's
+            were finite. The step guard takes this verdict, the same on every
+            rank, instead of reading `H_K`, `H_C` (None: read them).
     """
 
     H_K: StructuredMatrix | None
@@ -74,6 +78,7 @@ class PendingStatistics:
     pass_rows: int = 0
     pass_examples: int = 0
     examples: ExampleGradients | None = None
+    agreed_finite: bool | None = None
 
     @classmethod
     def open(

@@ -60,7 +60,7 @@ def reduce_w3(results: dict[str, Any], out: Path) -> None:
     expected = _statistics(rank, poison=False)
     results["expected_totals"] = all_reduce_statistics(expected)
     actual = _statistics(rank, poison=False, rows=True)
-    results["totals"], kept = reduce_to_owners(actual, owners)
+    results["totals"], kept, results["agreed"] = reduce_to_owners(actual, owners)
     for index, ((E_K, E_C, _), (A_K, A_C)) in enumerate(
         zip(expected, kept, strict=True)
     ):
@@ -69,7 +69,10 @@ def reduce_w3(results: dict[str, Any], out: Path) -> None:
             results[f"actual/{index}/{side}"] = as_structured(A).to_dense()
             results[f"expected_trace/{index}/{side}"] = E.average_trace()
             results[f"actual_trace/{index}/{side}"] = A.average_trace()
-    _, poisoned = reduce_to_owners(_statistics(rank, poison=True, rows=True), owners)
+    poisoned_statistics = _statistics(rank, poison=True, rows=True)
+    _, poisoned, results["poisoned_agreed"] = reduce_to_owners(
+        poisoned_statistics, owners
+    )
     results["finite"] = [
         bool(
             torch.isfinite(

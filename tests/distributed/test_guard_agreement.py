@@ -4,6 +4,10 @@
   by its owner alone; every rank counts and reports it, and the parameters stay
   identical on the ranks and equal to one process on the whole batch (which
   discards the same updates). A parameter step that overflows is skipped alike.
+- `Shard`: statistics whose rows are finite on every rank overflow only where
+  their owner forms them (rows of about 1e20 in float32). Every rank then takes
+  the same step: the owner's factor update is discarded and reported on every
+  rank (before, the owner alone skipped the step and the parameters diverged).
 - FSDP2: only rank 0's rows of a layer overflow (rank 1's rows have no gradient,
   only weight decay); the ranks agree, so rank 1 does not step its rows either.
 """
@@ -100,11 +104,42 @@ def _fsdp(results: dict[str, Any]) -> None:
     results["fsdp/skipped"] = opt.skipped_steps
 
 
+def _owner_overflow(distribute: Any, world: int, rank: int) -> dict[str, Any]:
+    """One step on rows of 1e20 into layer 0 (17 > 8 rows: they travel as rows)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 6), nn.Linear(6, 40), nn.Linear(40, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-20)  # its outputs, the later layers' rows, are O(1)
+    net = DistributedDataParallel(model)
+    opt = SINGD(net, lr=1e-3, momentum=0.5, T=1, lr_cov=0.1, distribute=distribute)
+    X, Y = torch.randn(8, 16) * 1e20, torch.randn(8, 3)
+    share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    before = params(model)
+    mse_loss(net(X[share]), Y[share]).backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.step()
+    after = params(model)
+    changed = [not torch.equal(a, b) for a, b in zip(before, after, strict=True)]
+    return {
+        "params": params(model),
+        "messages": [str(w.message) for w in record],
+        "changed": changed,
+        "per_layer": [
+            opt.state[layer.weight].get("discarded_factor_updates", 0)
+            for layer in opt.layers
+        ],
+    }
+
+
 def agreement(results: dict[str, Any], out: Path) -> None:
     """The job of every rank (see the module docs)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, distribute in STRATEGIES.items():
         results[name] = _train(distribute, world, rank)
+    for name in ("shard", "owned"):
+        distribute = Shard(factors="owned") if name == "owned" else name
+        results[f"overflow/{name}"] = _owner_overflow(distribute, world, rank)
     _fsdp(results)
 
 
@@ -143,3 +178,18 @@ def test_fsdp_ranks_agree_on_a_layer_whose_rows_overflow_on_one_rank(
         assert result["fsdp/skipped"] == 1
         assert len(result["fsdp/messages"]) == 1
         assert "skipped the update of layer '0'" in result["fsdp/messages"][0]
+
+
+@pytest.mark.parametrize("name", ["shard", "owned"])
+def test_statistics_that_overflow_on_their_owner_alone_step_every_rank_alike(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    first, second = (result[f"overflow/{name}"] for result in ranks)
+    for result in (first, second):
+        assert all(result["changed"])  # the step is taken on both ranks
+        assert result["per_layer"] == [1, 0, 0]  # layer 0's update is discarded
+        assert len(result["messages"]) == 1
+        assert "discarded the factor update of layer '0'" in result["messages"][0]
+    assert first["messages"] == second["messages"]
+    for mine, theirs in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(mine, theirs)

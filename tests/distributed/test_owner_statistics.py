@@ -69,3 +69,6 @@ def test_a_rank_that_owns_nothing_keeps_its_own_statistics(w3: list[dict]) -> No
 def test_a_non_finite_entry_on_one_rank_reaches_every_rank(w3: list[dict]) -> None:
     for result in w3:  # rank 2 poisoned layer 2; layer 3 has no statistics
         assert result["finite"] == [True, True, False, True, True]
+        # the verdict every rank hands the step guard, the same on every rank
+        assert result["poisoned_agreed"] == [True, True, False, True, True]
+        assert result["agreed"] == [True] * 5

@@ -205,11 +205,11 @@ class StatisticsExchange:
         if owners is None:
             totals = all_reduce_statistics(statistics)
         else:
-            totals, kept = reduce_to_owners(
+            totals, kept, finite = reduce_to_owners(
                 statistics, owners, keep_rows=self._keep_rows
             )
-            for record, (H_K, H_C) in zip(records, kept, strict=True):
-                record.H_K, record.H_C = H_K, H_C
+            for record, (H_K, H_C), ok in zip(records, kept, finite, strict=True):
+                record.H_K, record.H_C, record.agreed_finite = H_K, H_C, ok
         for layer, record, total in zip(due, records, totals, strict=True):
             if total == 0:
                 pending.pop(layer, None)

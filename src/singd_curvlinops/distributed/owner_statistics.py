@@ -52,7 +52,9 @@ what every rank needs:
 A side formed from rows on its owner can overflow where the ranks' rows did not
 (entries beyond about \(10^{19}\) in float32); the factor update that reads it
 is then discarded by the step guard, with its warning, where the all-reduce
-would have skipped the whole step.
+would have skipped the whole step. The step's verdict on its inputs therefore
+reads the probe (`PendingStatistics.agreed_finite`), the same on every rank, and
+not the statistics this rank holds, which differ between the ranks.
 
 A rank's statistics of sides it neither owns nor needs the trace of stay its own,
 unused. Rules with per-example rows (EKFAC), twins (tied weights, whose
@@ -125,7 +127,7 @@ def reduce_to_owners(
     owners: Sequence[Owners],
     *,
     keep_rows: bool = False,
-) -> tuple[list[int], list[tuple[Any, Any]]]:
+) -> tuple[list[int], list[tuple[Any, Any]], list[bool]]:
     r"""Combine the ranks' statistics on their owners (module docs).
 
     Args:
@@ -144,7 +146,8 @@ def reduce_to_owners(
         statistics \((H_K, H_C)\) that replace this rank's: on the owner of a
         side the combined statistics, on the owner of the other side (alone)
         \(\bar{\mathrm{tr}}\) of them times the identity, elsewhere this rank's
-        own (unused).
+        own (unused); and per layer whether every rank's statistics were
+        finite (the probe: the same on every rank).
     """
     me, processes = rank(), world_size()
     sides = [[H_K, H_C] for H_K, H_C, _ in statistics]
@@ -179,10 +182,11 @@ def reduce_to_owners(
     with named_collective("The statistics reduction of the optimizer's step"):
         dist.all_to_all_single(incoming, outgoing, receive, send)
     parts = list(incoming.split(receive))  # per sender, this rank's sides in order
-    offsets, totals = [0] * processes, []
+    offsets, totals, finite = [0] * processes, [], []
     for index, (pair, (owner_K, owner_C)) in enumerate(zip(sides, owners, strict=True)):
         total, trace_K, trace_C, probe = combined[index]
         totals.append(round(total))
+        finite.append(math.isfinite(probe))
         for side, owner in ((0, owner_K), (1, owner_C)):
             if owner == me:
                 pair[side] = _combine(
@@ -190,13 +194,13 @@ def reduce_to_owners(
                 )
         if not totals[-1]:
             continue
-        if not math.isfinite(probe):
+        if not finite[-1]:
             pair[:] = [as_structured(M).mul_(float("nan")) for M in pair]
             continue
         scale_K, scale_C = 1.0 / total, 1.0 / processes**2
         pair[0] = _finish(pair[0], owner_K, owner_C, scale_K, trace_K * scale_K, me)
         pair[1] = _finish(pair[1], owner_C, owner_K, scale_C, trace_C * scale_C, me)
-    return totals, [(H_K, H_C) for H_K, H_C in sides]
+    return totals, [(H_K, H_C) for H_K, H_C in sides], finite
 
 
 @dataclass(frozen=True)

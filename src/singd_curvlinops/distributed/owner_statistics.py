@@ -7,11 +7,10 @@ rank (`exchange.all_reduce_statistics`), each rank packs the stored entries of
 its sides into one flat buffer, grouped by the rank that owns them, and one
 `all_to_all_single` delivers every group to its owner, which adds up the \(P\)
 parts it receives (its own included) in rank order: a reduce-scatter with parts
-of different sizes, where every number crosses the wire once. (It replaced one
-`reduce` per owner: on two gloo processes, the MLP benchmark's statistics took
-10.5-12.4 ms that way and 8.7-9.4 ms this way, with the packing and the probe
-below: medians of three runs of 40 calls each, the two interleaved.) A side's
-owner then holds exactly the combined statistics of the all-reduce,
+of different sizes, where every number crosses the wire once. (One `reduce`
+per owner took 10.5-12.4 ms for the MLP benchmark on two gloo processes, this
+8.7-9.4 ms: medians of three interleaved runs of 40 calls.) A side's owner then
+holds exactly the combined statistics of the all-reduce,
 
 \[
 H_K = \frac{\sum_r N_r\, H_{K,r}}{\sum_r N_r}, \qquad
@@ -49,17 +48,14 @@ what every rank needs:
   densely: every rank chooses each side's form alike, and knows the sizes of
   the all-to-all.
 
-A side formed from rows on its owner can overflow where the ranks' rows did not
-(entries beyond about \(10^{19}\) in float32); the factor update that reads it
-is then discarded by the step guard, with its warning, where the all-reduce
-would have skipped the whole step. The step's verdict on its inputs therefore
-reads the probe (`PendingStatistics.agreed_finite`), the same on every rank, and
-not the statistics this rank holds, which differ between the ranks.
-
-A rank's statistics of sides it neither owns nor needs the trace of stay its own,
-unused. Rules with per-example rows (EKFAC), twins (tied weights, whose
-statistics combine non-linearly: `pending.kronecker_sum`), owned factors and
-replicated layers keep the all-reduce (`owner_ranks` returns None).
+A side formed on its owner can overflow where the ranks' rows did not (rows
+beyond about \(10^{19}\) in float32): the step's input verdict reads the probe
+(`PendingStatistics.agreed_finite`, the same on every rank), and the owner's
+factor update is discarded on every rank, where the all-reduce would have
+skipped the step. A rank's statistics of sides it neither owns nor needs the
+trace of stay its own, unused. Rules with per-example rows (EKFAC), twins (tied
+weights, whose statistics combine non-linearly: `pending.kronecker_sum`), owned
+factors and replicated layers keep the all-reduce (`owner_ranks` returns None).
 """
 
 from __future__ import annotations

@@ -48,14 +48,14 @@ what every rank needs:
   densely: every rank chooses each side's form alike, and knows the sizes of
   the all-to-all.
 
-A side formed on its owner can overflow where the ranks' rows did not (rows
-beyond about \(10^{19}\) in float32): the step's input verdict reads the probe
-(`PendingStatistics.agreed_finite`, the same on every rank), and the owner's
-factor update is discarded on every rank, where the all-reduce would have
-skipped the step. A rank's statistics of sides it neither owns nor needs the
-trace of stay its own, unused. Rules with per-example rows (EKFAC), twins (tied
-weights, whose statistics combine non-linearly: `pending.kronecker_sum`), owned
-factors and replicated layers keep the all-reduce (`owner_ranks` returns None).
+A side formed from rows (by its owner, or by a rank before it travels densely)
+can overflow where the rows did not (about \(10^{19}\) in float32): the step's
+input verdict reads the probe (`PendingStatistics.agreed_finite`, the same on
+every rank), and the owner's factor update is discarded on every rank, where
+the all-reduce would have skipped the step. A rank's statistics of sides it
+neither owns nor needs the trace of stay its own, unused. Per-example rows
+(EKFAC), twins (tied weights: `pending.kronecker_sum`), layers split by column
+blocks and replicated layers keep the all-reduce (`owner_ranks` returns None).
 """
 
 from __future__ import annotations

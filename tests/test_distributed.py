@@ -523,7 +523,7 @@ def test_all_reduced_bytes_match_bytes_per_update(
     for result in ranks:
         reported = result["bytes/diagonal/reported"]
         assert result["bytes/diagonal/recorded"] == [reported, reported]  # per step
-        assert reported == _diagonal_bytes()
+        assert reported == _diagonal_bytes(world=2)
 
 
 def test_ekfac_all_reduces_its_eigenvalue_sums_per_layer(
@@ -532,16 +532,18 @@ def test_ekfac_all_reduces_its_eigenvalue_sums_per_layer(
     """One buffer of the dense statistics, then each layer's d_C × d_K sums."""
     d_K, d_C = (2 * 3 * 3 + 1, 48 + 1), (3, 3)
     statistics = sum((k * k + c * c + 1) * 8 for k, c in zip(d_K, d_C, strict=True))
+    statistics += 2 * 8  # the two ranks' option fingerprints
     sums = [k * c * 8 for k, c in zip(d_K, d_C, strict=True)]
     for result in ranks:
         assert result["bytes/ekfac/recorded"] == [statistics, *sums] * 2
         assert result["bytes/ekfac/reported"] == statistics + sum(sums)
 
 
-def _diagonal_bytes() -> int:
+def _diagonal_bytes(world: int = 1) -> int:
     d_K = (2 * 3 * 3 + 1, 48 + 1)  # inputs (+ bias) of the Conv2d and the Linear
     d_C = (3, 3)
-    return sum((k + c + 1) * 8 for k, c in zip(d_K, d_C, strict=True))
+    fingerprints = 8 * world if world > 1 else 0  # one per rank (`exchange`)
+    return sum((k + c + 1) * 8 for k, c in zip(d_K, d_C, strict=True)) + fingerprints
 
 
 def test_bytes_per_update_counts_d_numbers_per_diagonal_factor() -> None:

@@ -292,6 +292,11 @@ def misuse(results: dict[str, Any], out: Path) -> None:
         case = Case(SPARSE, "manual", options[rank])
         results[f"misuse/{label}"] = _error(lambda case=case: train(case, steps=1))
     results["misuse/resumed_apart"] = _error(lambda: _resumed_apart(rank))
+    for distribute in ("replicate", "shard", "owned"):
+        for T in (1, 2):
+            results[f"misuse/options/{distribute}/{T}"] = _options_apart(
+                rank, distribute, T
+            )
     case = Case(SPARSE, "manual", "owned")
     optimizer = train(case, steps=1)[2]
     results["misuse/not_held"] = [
@@ -324,6 +329,24 @@ def _resumed_apart(rank: int) -> None:
                 entry["step"] += 1
         optimizer.load_state_dict(state)
     train_step(case, model, optimizer, 0)
+
+
+def _options_apart(rank: int, distribute: str, T: int) -> tuple[int, str]:
+    """Rank 1 doubles its learning rate after step 0 (a scheduler on one rank).
+
+    Returns:
+        The step that raised (-1: none within four steps) and its error.
+    """
+    case = Case({**SPARSE, "T": T}, "manual", distribute)
+    model = build_model(case.model)
+    optimizer = make_optimizer(case, model)
+    for step in range(4):
+        if step == 1 and rank == 1:
+            optimizer.param_groups[0]["lr"] *= 2
+        message = _error(lambda step=step: train_step(case, model, optimizer, step))
+        if message != "no error":
+            return step, message
+    return -1, "no error"
 
 
 def _never_steps(results: dict[str, Any], out: Path, rank: int) -> None:

@@ -243,6 +243,22 @@ def test_ranks_resumed_at_different_steps_raise(misuse: list[dict]) -> None:
         assert re.search("step count", result["misuse/resumed_apart"])
 
 
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_ranks_with_different_options_raise(
+    misuse: list[dict], distribute: str, T: int
+) -> None:
+    # Shard checks the options with the step count at every step; Replicate in
+    # the statistics all-reduce, so at the next factor update (step 2 at T = 2)
+    expected = 2 if distribute == "replicate" and T == 2 else 1
+    for result in misuse:
+        step, message = result[f"misuse/options/{distribute}/{T}"]
+        assert step == expected, message
+        assert re.search("disagree on their options", message)
+        assert re.search("scheduler stepped on some ranks only", message)
+        assert re.search(r"\blr=0\.[12]\b", message)  # it names this rank's options
+
+
 def test_a_rank_that_never_steps_times_out_with_the_cause(misuse: list[dict]) -> None:
     message = misuse[0]["misuse/never_steps"]
     assert re.search("another rank did not take part", message), message

@@ -196,10 +196,11 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     for layer, assignment in plan.items():
         shares[assignment.direction_owner] += layer.dims[0] * layer.dims[1] + 1
     plain = bytes_per_step(optimizer, update=False, world_size=2)
-    # the step check (two int64) and the step guard's verdicts (int32): the
-    # inputs, each layer, each fallback parameter
+    # the step check (four int64: the step count and the options' fingerprint)
+    # and the step guard's verdicts (int32): the inputs, each layer, each
+    # fallback parameter
     verdicts = 1 + len(optimizer.layers) + len(optimizer.fallback_params)
-    checks = 16 + 4 * verdicts
+    checks = 32 + 4 * verdicts
     assert plain == {
         "statistics": 0,
         "gather": 2 * max(shares) * 8,

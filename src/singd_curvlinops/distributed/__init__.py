@@ -2,8 +2,9 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 
 - `exchange`: the statistics all-reduce of every factor update (the semantics of
   \(P\) processes equal to one on the concatenated batch).
-- `strategy`: `Replicate` (every rank does all factor work) and `Shard` (owners
-  do it, one `all_gather` per step shares it), chosen with `distribute=`.
+- `strategy`: `Replicate` (every rank does all factor work) and the hooks of
+  every strategy; `shard`: `Shard` (owners do it, one `all_gather` per step
+  shares it); chosen with `distribute=`.
 - `assignment`: the per-structure cost model and the balanced assignment.
 - `engine`: one step of a sharded strategy, `layout`: what its `all_gather`
   holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
@@ -29,11 +30,8 @@ from singd_curvlinops.distributed.exchange import (
     all_reduce_statistics,
 )
 from singd_curvlinops.distributed.resolution import resolve
-from singd_curvlinops.distributed.strategy import (
-    DistributionStrategy,
-    Replicate,
-    Shard,
-)
+from singd_curvlinops.distributed.shard import Shard
+from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate
 
 __all__ = [
     "Assignment",

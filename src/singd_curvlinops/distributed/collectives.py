@@ -8,7 +8,10 @@ turn misuse into errors on every rank instead of a hang or a silent divergence:
   strategy (mismatched collectives would otherwise crash the gloo backend);
 - `check_same_step`, at every step of a sharded strategy: the ranks compare their
   step counts (a rank that skipped `step()` would pair its collectives with
-  another step's).
+  another step's) and a `fingerprint` of their options (`lr`, `damping`, ...:
+  one rank's scheduler or setting would make the parameters diverge silently);
+  under `Replicate` the fingerprints travel in the statistics all-reduce of
+  every factor update instead (`check_same_options`).
 
 A collective that fails (a peer that never arrives times out after the process
 group's `timeout`, a crashed peer closes the connection) raises a `RuntimeError`
@@ -79,20 +82,85 @@ def named_collective(what: str) -> Iterator[None]:
         ) from error
 
 
-def _agree(value: int, device: torch.device) -> tuple[int, int]:
-    """Return the smallest and largest `value` over all ranks (one all-reduce).
+def fingerprint(text: str) -> int:
+    """Return a 24-bit checksum of `text` (exact in float32, see `option_slots`).
 
     Args:
-        value: A 63-bit integer.
+        text: E.g. `exchange.describe_options` of the optimizer's groups.
+
+    Returns:
+        An integer in `[0, 2**24)`.
+    """
+    return zlib.crc32(text.encode()) & 0xFFFFFF
+
+
+def _agree(first: int, second: int, device: torch.device) -> list[int]:
+    """Return the extremes of two integers over all ranks (one all-reduce).
+
+    Every check sends the same four numbers, so that two different checks that
+    meet (ranks that disagree on which one is due) still pair up and raise.
+
+    Args:
+        first: A 63-bit integer.
+        second: Another one.
         device: Device of the collective's tensor.
 
     Returns:
-        `(min, max)`.
+        `[min first, max first, min second, max second]`.
     """
-    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    values = [first, -first, second, -second]
+    extremes = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-    low, high = extremes.tolist()
-    return low, -high
+    low, high, second_low, second_high = extremes.tolist()
+    return [low, -high, second_low, -second_high]
+
+
+def options_disagree(options: str) -> str:
+    """Return the message of ranks whose optimizers have different options.
+
+    Args:
+        options: This rank's options (`exchange.describe_options`).
+
+    Returns:
+        The message, with the likely causes.
+    """
+    return (
+        "The processes' optimizers disagree on their options (rank "
+        f"{rank()} has: {options}). A learning-rate scheduler stepped on some "
+        "ranks only, or an option set on one rank, would make the replicated "
+        "parameters diverge. Set the same options on every rank."
+    )
+
+
+def option_slots(checksum: int, processes: int) -> list[float]:
+    """Return this rank's slots for the ranks' option checksums in a sum.
+
+    Args:
+        checksum: This rank's `fingerprint` of its options.
+        processes: The number of ranks.
+
+    Returns:
+        One number per rank: `checksum` in this rank's slot, 0 elsewhere. After
+        an all-reduce (sum) every slot holds its rank's checksum exactly (24
+        bits fit float32).
+    """
+    slots = [0.0] * processes
+    slots[rank()] = float(checksum)
+    return slots
+
+
+def check_same_options(slots: list[float], options: str) -> None:
+    """Raise on every rank unless all ranks' summed `option_slots` agree.
+
+    Args:
+        slots: The slots after the all-reduce (the same on every rank).
+        options: This rank's options, for the message.
+
+    Raises:
+        RuntimeError: If the checksums differ.
+    """
+    if len(set(slots)) > 1:
+        raise RuntimeError(options_disagree(options))
 
 
 def check_same_configuration(description: str, device: torch.device) -> None:
@@ -108,7 +176,7 @@ def check_same_configuration(description: str, device: torch.device) -> None:
     """
     checksum = zlib.crc32(description.encode())
     with named_collective("The configuration check of the optimizer's first step"):
-        low, high = _agree(checksum, device)
+        low, high, *_ = _agree(checksum, 0, device)
     if low != checksum or high != checksum:
         raise RuntimeError(
             "The processes' optimizers disagree on the layers, structures or "
@@ -118,18 +186,22 @@ def check_same_configuration(description: str, device: torch.device) -> None:
         )
 
 
-def check_same_step(step: int, device: torch.device) -> None:
-    """Raise on every process unless all processes are at the same step.
+def check_same_step(step: int, options: str, device: torch.device) -> None:
+    """Raise on every process unless all are at the same step, with the same options.
 
     Args:
         step: How many steps this process's optimizer has taken.
+        options: Its options (`exchange.describe_options`).
         device: Device of the collective's tensor.
 
     Raises:
-        RuntimeError: If the step counts differ.
+        RuntimeError: If the step counts or the options' fingerprints differ.
     """
+    checksum = fingerprint(options)
     with named_collective("The step check of a sharded optimizer"):
-        low, high = _agree(step, device)
+        low, high, options_low, options_high = _agree(step, checksum, device)
+    if options_low != options_high and low == high:
+        raise RuntimeError(options_disagree(options))
     if low != high:
         raise RuntimeError(
             f"The ranks disagree on the optimizer's step count (rank {rank()}: "

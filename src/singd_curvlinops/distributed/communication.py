@@ -16,10 +16,12 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
   one other (all ranks' messages together).
-- **checks**: the configuration check (once), the step check of `Shard` (two
-  64-bit integers per step) and its agreement on the step guard's verdicts (a
-  32-bit integer for the step's inputs, for each side of each updated layer,
-  each layer and each fallback parameter; see `singd_curvlinops.guard`).
+- **checks**: the configuration check (once), the step check of `Shard` (four
+  64-bit integers per step: the step count and the options' fingerprint) and
+  its agreement on the step guard's verdicts (a 32-bit integer for the step's
+  inputs, for each side of each updated layer, each layer and each fallback
+  parameter; see `singd_curvlinops.guard`). Under `Replicate` the options'
+  fingerprints travel in the statistics all-reduce: one number per rank.
 
 DDP's own all-reduce of the gradients (the parameters' size, every step) comes
 on top under every strategy.
@@ -38,7 +40,7 @@ from singd_curvlinops.distributed.assignment import column_blocks, stored_entrie
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
-from singd_curvlinops.distributed.strategy import Shard
+from singd_curvlinops.distributed.shard import Shard
 
 
 def bytes_per_update(
@@ -68,7 +70,9 @@ def bytes_per_update(
         all-to-all (each process's buffer, its own part included), or the
         side's rows (`gram_rows`: `rows` times \(d\) numbers) where all
         processes together have fewer rows than \(d\); and a summary
-        all-reduce of \(6 + 2P\) float64 numbers per layer.
+        all-reduce of \(6 + 2P\) float64 numbers per layer. Under `Replicate`
+        the all-reduce also carries the ranks' option fingerprints, \(P\)
+        numbers in its dtype (`exchange.all_reduce_statistics`).
     """
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     world = world_size or collectives.world_size()
@@ -102,6 +106,13 @@ def bytes_per_update(
         if optimizer.rule.per_example:  # EKFAC's second collective (exchange)
             sums = torch.promote_types(dtype, torch.float32)
             total += layer.dims[0] * layer.dims[1] * sums.itemsize
+    if world > 1 and not isinstance(strategy, Shard):  # options' fingerprints
+        wide = any(
+            torch.float64 in layer.factor_dtypes(group)
+            for layer in layers
+            for group in [layer.options(optimizer.param_groups[layer.group_index])]
+        )
+        total += world * (8 if wide else 4)
     return total
 
 
@@ -167,7 +178,7 @@ def bytes_per_step(
         "statistics": statistics,
         "gather": gathered,
         "relay": relay,
-        "checks": 16 + 4 * verdicts,
+        "checks": 32 + 4 * verdicts,
     }
 
 

@@ -48,7 +48,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed.collectives import named_collective, world_size
+from singd_curvlinops.distributed.collectives import (
+    check_same_options,
+    fingerprint,
+    named_collective,
+    option_slots,
+    world_size,
+)
 from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.owner_statistics import (
     Owners,
@@ -89,8 +95,36 @@ def describe_layers(
     )
 
 
+def describe_options(groups: Sequence[dict[str, Any]]) -> str:
+    """Describe every option of every parameter group (for `check_same_step`).
+
+    Numbers by their exact `repr`, a one-number tensor (a tensor `lr`) by its
+    value, a callable (`lr_cov`) by its name: the same text on every rank that
+    has the same options.
+
+    Args:
+        groups: The optimizer's parameter groups.
+
+    Returns:
+        One line per group: `key=value` for every key but `params`, sorted.
+    """
+
+    def text(value: Any) -> str:
+        if isinstance(value, Tensor):
+            return repr(value.tolist()) if value.numel() <= 16 else str(value.shape)
+        if callable(value) and not isinstance(value, type):
+            return getattr(value, "__qualname__", type(value).__name__)
+        return repr(value)
+
+    return ";".join(
+        ",".join(f"{k}={text(v)}" for k, v in sorted(g.items()) if k != "params")
+        for g in groups
+    )
+
+
 def all_reduce_statistics(
     statistics: Sequence[tuple[StructuredMatrix, StructuredMatrix, int]],
+    options: str | None = None,
 ) -> list[int]:
     r"""Combine the pending statistics of all processes in place, one collective.
 
@@ -98,6 +132,10 @@ def all_reduce_statistics(
         statistics: Per layer, in the same order on every process: the running
             mean \(H_K\) over this process's examples, the sum \(H_C\) and the
             number of examples (zero matrices and 0 where it has none).
+        options: This rank's options (`describe_options`): their fingerprints
+            travel in the same buffer, one slot per rank, and differing ones
+            raise `check_same_options`'s error on every rank before any
+            statistics are written back (None: not checked).
 
     Returns:
         Per layer, the total number of examples \(N\); the matrices then hold the
@@ -105,8 +143,10 @@ def all_reduce_statistics(
     """
     processes = world_size()
     dtype = wire_dtype([M for H_K, H_C, _ in statistics for M in (H_K, H_C)])
+    slots = [] if options is None else option_slots(fingerprint(options), processes)
     size = sum(H_K.numel() + H_C.numel() + 1 for H_K, H_C, _ in statistics)
-    buffer = torch.empty(size, dtype=dtype, device=statistics[0][0].device)
+    buffer = torch.empty(size + len(slots), dtype=dtype, device=statistics[0][0].device)
+    buffer[size:] = torch.tensor(slots, dtype=dtype)
     offset = 0
     for H_K, H_C, count in statistics:  # count x H_K, H_C, count
         offset = pack(buffer, pack(buffer, offset, H_K, count), H_C, 1)
@@ -114,12 +154,17 @@ def all_reduce_statistics(
         offset += 1
     with named_collective("The statistics all-reduce of the optimizer's step"):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    offsets, offset = [], 0
+    counts, offset = [], 0  # where the example counts are
     for H_K, H_C, _ in statistics:
-        offset = unpack(buffer, unpack(buffer, offset, H_K), H_C)
-        offsets.append(offset)
+        offset += H_K.numel() + H_C.numel()
+        counts.append(offset)
         offset += 1
-    totals = [round(n) for n in buffer[offsets].tolist()]  # one synchronisation
+    read = buffer[counts + list(range(size, size + len(slots)))].tolist()  # one sync
+    if slots:
+        check_same_options(read[len(counts) :], options)
+    totals, offset = [round(n) for n in read[: len(counts)]], 0
+    for H_K, H_C, _ in statistics:
+        offset = unpack(buffer, unpack(buffer, offset, H_K), H_C) + 1
     for (H_K, H_C, _), total in zip(statistics, totals, strict=True):
         if total:
             H_K.mul_(1.0 / total)
@@ -159,6 +204,8 @@ class StatisticsExchange:
             `owner_statistics`), or None: all-reduced to every rank.
         keep_rows: Whether statistics that travel as rows stay rows on their
             owner (`Shard(factors="owned")`, see `owner_statistics`).
+        options: This rank's options, checked in the all-reduce (None: not
+            checked here; `Shard` checks them with the step count).
     """
 
     def __init__(
@@ -169,7 +216,9 @@ class StatisticsExchange:
         per_example: bool = False,
         owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
         keep_rows: bool = False,
+        options: str | None = None,
     ):
+        self._options = options
         self._zeros = zeros
         self._grad_scale = grad_scale
         self._per_example = per_example
@@ -203,7 +252,7 @@ class StatisticsExchange:
                 record.H_K, record.H_C = map(as_structured, (record.H_K, record.H_C))
         statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
         if owners is None:
-            totals = all_reduce_statistics(statistics)
+            totals = all_reduce_statistics(statistics, self._options)
         else:
             totals, kept, finite = reduce_to_owners(
                 statistics, owners, keep_rows=self._keep_rows

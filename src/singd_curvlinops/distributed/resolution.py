@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate, Shard
+from singd_curvlinops.distributed.shard import Shard
+from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate
 
 
 def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:

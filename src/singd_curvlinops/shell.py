@@ -335,6 +335,7 @@ class KroneckerOptimizer(
             groups=self.param_groups,
             state=self.state,
             rule=self._rule,
+            options=tuple(self.defaults),
         )
         handed_over = self._collector.handed_over_copy()
         guard = StepGuard(

@@ -245,3 +245,25 @@ def test_kfacs_statistics_hooks_build_no_preconditioner(
     assert calls == [] and optimizer.curvature_pending is False
     optimizer.step()
     assert len(calls) == 2  # the step's, one per layer
+
+
+def test_describe_options_compares_the_optimizers_options_only() -> None:
+    from singd_curvlinops.distributed.collectives import fingerprint
+    from singd_curvlinops.distributed.exchange import describe_options
+
+    def schedule(step: int) -> float:
+        return 0.1
+
+    def described(**changes: object) -> str:
+        optimizer = SINGD(_model(), lr_cov=schedule)
+        optimizer.param_groups[0].update(changes)
+        return describe_options(optimizer.param_groups, tuple(optimizer.defaults))
+
+    same = described()
+    assert same == described()  # a callable by its name, not its address
+    assert "lr_cov=" in same and "schedule" in same and " at 0x" not in same
+    assert described(lr=2e-3) != same and described(damping=1e-2) != same
+    assert described(lr=1e-3 + 1e-18) != same  # exact: one ulp apart differs
+    assert described(lr=torch.tensor(1e-3, dtype=torch.float64)) == same
+    assert described(initial_lr=5.0, device=torch.device("meta")) == same
+    assert fingerprint(described(lr=2e-3)) != fingerprint(same) < 2**24

@@ -95,18 +95,20 @@ def describe_layers(
     )
 
 
-def describe_options(groups: Sequence[dict[str, Any]]) -> str:
-    """Describe every option of every parameter group (for `check_same_step`).
+def describe_options(groups: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
+    """Describe the optimizer's options in every parameter group (`check_same_step`).
 
     Numbers by their exact `repr`, a one-number tensor (a tensor `lr`) by its
     value, a callable (`lr_cov`) by its name: the same text on every rank that
-    has the same options.
+    has the same options. Other entries of a group (a scheduler's
+    `initial_lr`, a user's own) are not compared.
 
     Args:
         groups: The optimizer's parameter groups.
+        keys: Its option names (its `defaults`).
 
     Returns:
-        One line per group: `key=value` for every key but `params`, sorted.
+        One line per group: `key=value` for each of `keys` in it, sorted.
     """
 
     def text(value: Any) -> str:
@@ -117,8 +119,7 @@ def describe_options(groups: Sequence[dict[str, Any]]) -> str:
         return repr(value)
 
     return ";".join(
-        ",".join(f"{k}={text(v)}" for k, v in sorted(g.items()) if k != "params")
-        for g in groups
+        ",".join(f"{k}={text(g[k])}" for k in sorted(keys) if k in g) for g in groups
     )
 
 

@@ -95,6 +95,7 @@ class DistributionStrategy:
         groups: Sequence[dict[str, Any]],
         state: State,
         rule: FactorRule,
+        options: Sequence[str] = (),
     ) -> None:
         """Check the ranks' configuration; all-reduce the due layers' statistics.
 
@@ -105,6 +106,8 @@ class DistributionStrategy:
             groups: The optimizer's parameter groups.
             state: Its state.
             rule: Its factor rule.
+            options: The optimizer's option names (its `defaults`), whose values
+                the ranks compare (`exchange.describe_options`).
         """
         if world_size() == 1:
             return
@@ -113,8 +116,8 @@ class DistributionStrategy:
             check_same_configuration(description, layers[0].weight.device)
             self._configure(layers, groups, state, rule)
             self._verified = description
-        options = describe_options(groups)
-        checked = self._check_step(layers, state, options)
+        described = describe_options(groups, options)
+        checked = self._check_step(layers, state, described)
 
         def zeros(layer: Layer) -> tuple[StructuredMatrix, StructuredMatrix]:
             group = layer.options(groups[layer.group_index])
@@ -129,7 +132,7 @@ class DistributionStrategy:
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
             keep_rows=self.rows == "raw",
-            options=None if checked else options,
+            options=None if checked else described,
         )(pending, due)
 
     def statistics_owners(

@@ -124,7 +124,7 @@ class KroneckerOptimizer(
                 f"model has no supported layer: {type(self).__name__} preconditions "
                 f"{supported_layers()} layers{empty_note(self._layers.empty, None)}."
             )
-        self._distribution = distributed.resolve(distribute)
+        self._distribution = distributed.resolve(distribute, tuple(defaults))
         if rule.per_example and isinstance(self._distribution, distributed.Shard):
             raise ValueError(
                 f"distribute={distribute!r}: {type(self).__name__} needs every "
@@ -335,7 +335,6 @@ class KroneckerOptimizer(
             groups=self.param_groups,
             state=self.state,
             rule=self._rule,
-            options=tuple(self.defaults),
         )
         handed_over = self._collector.handed_over_copy()
         guard = StepGuard(

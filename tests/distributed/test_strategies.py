@@ -257,7 +257,9 @@ def test_describe_options_compares_the_optimizers_options_only() -> None:
     def described(**changes: object) -> str:
         optimizer = SINGD(_model(), lr_cov=schedule)
         optimizer.param_groups[0].update(changes)
-        return describe_options(optimizer.param_groups, tuple(optimizer.defaults))
+        names = optimizer.distribution.options  # handed over by the optimizer
+        assert names == tuple(optimizer.defaults)
+        return describe_options(optimizer.param_groups, names)
 
     same = described()
     assert same == described()  # a callable by its name, not its address

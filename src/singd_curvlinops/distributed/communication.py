@@ -89,10 +89,12 @@ def bytes_per_update(
         and not optimizer.rule.per_example
         and not any(layer.twin is not None or layer.swapped for layer in layers)
     )
+    wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
     for layer in optimizer.layers:
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = ("dense", "dense") if dense else group["structures"]
         dtype = torch.promote_types(*layer.factor_dtypes(group))
+        wide = wide or dtype == torch.float64
         local = rows.get(layer.name) if isinstance(rows, Mapping) else rows
         # owned factors: the raw rows of any layer; else rows B of dense sides
         eligible = dense or applies(layer, optimizer.rule, group)
@@ -107,11 +109,6 @@ def bytes_per_update(
             sums = torch.promote_types(dtype, torch.float32)
             total += layer.dims[0] * layer.dims[1] * sums.itemsize
     if world > 1 and not isinstance(strategy, Shard):  # options' fingerprints
-        wide = any(
-            torch.float64 in layer.factor_dtypes(group)
-            for layer in layers
-            for group in [layer.options(optimizer.param_groups[layer.group_index])]
-        )
         total += world * (8 if wide else 4)
     return total
 

@@ -148,18 +148,14 @@ def all_reduce_statistics(
     size = sum(H_K.numel() + H_C.numel() + 1 for H_K, H_C, _ in statistics)
     buffer = torch.empty(size + len(slots), dtype=dtype, device=statistics[0][0].device)
     buffer[size:] = torch.tensor(slots, dtype=dtype)
-    offset = 0
+    counts, offset = [], 0  # (where the example counts are)
     for H_K, H_C, count in statistics:  # count x H_K, H_C, count
         offset = pack(buffer, pack(buffer, offset, H_K, count), H_C, 1)
         buffer[offset] = float(count)
+        counts.append(offset)
         offset += 1
     with named_collective("The statistics all-reduce of the optimizer's step"):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-    counts, offset = [], 0  # where the example counts are
-    for H_K, H_C, _ in statistics:
-        offset += H_K.numel() + H_C.numel()
-        counts.append(offset)
-        offset += 1
     read = buffer[counts + list(range(size, size + len(slots)))].tolist()  # one sync
     if slots:
         check_same_options(read[len(counts) :], options)

@@ -8,11 +8,15 @@ from singd_curvlinops.distributed.shard import Shard
 from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate
 
 
-def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:
+def resolve(
+    distribute: str | DistributionStrategy, options: tuple[str, ...] = ()
+) -> DistributionStrategy:
     """Return the strategy that `distribute` names, as a fresh object.
 
     Args:
         distribute: `"replicate"`, `"shard"` or a strategy object (copied).
+        options: The optimizer's option names (its `defaults`), whose values the
+            ranks compare at their steps (`exchange.describe_options`).
 
     Returns:
         The strategy.
@@ -22,7 +26,9 @@ def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:
         TypeError: If it is neither a string nor a strategy.
     """
     if isinstance(distribute, DistributionStrategy):
-        return copy.deepcopy(distribute)
+        strategy = copy.deepcopy(distribute)
+        strategy.options = options
+        return strategy
     if not isinstance(distribute, str):
         raise TypeError(
             "distribute must be 'replicate', 'shard' or a DistributionStrategy "
@@ -34,4 +40,6 @@ def resolve(distribute: str | DistributionStrategy) -> DistributionStrategy:
             f"distribute must be 'replicate' or 'shard' (or Shard(factors='owned') "
             f"for only owners keeping factors), got {distribute!r}."
         )
-    return strategies[distribute]()
+    strategy = strategies[distribute]()
+    strategy.options = options
+    return strategy

@@ -56,6 +56,7 @@ class DistributionStrategy:
     """
 
     rows: str | None = None  # statistics kept as rows (`gram_rows`): see `Shard`
+    options: tuple[str, ...] = ()  # the optimizer's option names (`resolve`)
 
     def __init__(self) -> None:
         self._verified = ""
@@ -95,7 +96,6 @@ class DistributionStrategy:
         groups: Sequence[dict[str, Any]],
         state: State,
         rule: FactorRule,
-        options: Sequence[str] = (),
     ) -> None:
         """Check the ranks' configuration; all-reduce the due layers' statistics.
 
@@ -106,8 +106,6 @@ class DistributionStrategy:
             groups: The optimizer's parameter groups.
             state: Its state.
             rule: Its factor rule.
-            options: The optimizer's option names (its `defaults`), whose values
-                the ranks compare (`exchange.describe_options`).
         """
         if world_size() == 1:
             return
@@ -116,7 +114,7 @@ class DistributionStrategy:
             check_same_configuration(description, layers[0].weight.device)
             self._configure(layers, groups, state, rule)
             self._verified = description
-        described = describe_options(groups, options)
+        described = describe_options(groups, self.options)
         checked = self._check_step(layers, state, described)
 
         def zeros(layer: Layer) -> tuple[StructuredMatrix, StructuredMatrix]:

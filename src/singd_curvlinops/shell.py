@@ -110,11 +110,7 @@ class KroneckerOptimizer(
             raise TypeError(f"model must be a torch.nn.Module, got {type(model)}.")
         check_positive("init_grad_scale", init_grad_scale)
         rule.check_group(dict(defaults))
-        if isinstance(model, DistributedDataParallel) and not distributed.initialized():
-            raise ValueError(
-                "model is wrapped in DistributedDataParallel, but no torch.distributed "
-                "process group is initialised (call init_process_group first)."
-            )
+        distributed.check_data_parallel(model)
         if isinstance(model, (DataParallel, DistributedDataParallel)):
             model = model.module  # hooks go on the wrapped layers
         self._rule = rule

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops import SINGD
 from singd_curvlinops.bench.distributed import (
@@ -305,6 +306,16 @@ def misuse(results: dict[str, Any], out: Path) -> None:
     results["misuse/fsdp_owned"] = _error(
         lambda: train(Case(SPARSE, "fsdp", "owned"), steps=1)
     )
+    alone, _ = dist.new_subgroups(group_size=1)  # each rank a group of its own
+    everyone = dist.new_group(list(range(dist.get_world_size())))
+    for distribute in ("replicate", "shard"):
+        for label, group in {"subgroup": alone, "all": everyone}.items():
+            results[f"misuse/ddp_{label}/{distribute}"] = _error(
+                partial(_ddp_over, group, distribute)
+            )
+        results[f"misuse/fsdp_submesh/{distribute}"] = _error(
+            partial(_fsdp_on_submesh, distribute)
+        )
     dist.barrier()
     _never_steps(results, out, rank)  # last: the process group is broken afterwards
 
@@ -315,6 +326,31 @@ def _error(function: Any) -> str:
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def _ddp_over(group: Any, distribute: str) -> None:
+    """One step of a model in `DistributedDataParallel` over `group`."""
+    case = Case(SPARSE, "ddp", distribute)
+    model = build_model(case.model)
+    net = DistributedDataParallel(model, process_group=group)
+    train_step(case, net, make_optimizer(case, net), 0)
+
+
+def _fsdp_on_submesh(distribute: str) -> None:
+    """One step of a model sharded by FSDP2 on a mesh of this rank alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(
+        "cpu", (dist.get_world_size(), 1), mesh_dim_names=("a", "b")
+    )
+    case = Case(SPARSE, "fsdp", distribute)
+    model = build_model(case.model)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh["b"])
+    net = fully_shard(model, mesh=mesh["b"])
+    train_step(case, net, make_optimizer(case, net), 0)
 
 
 def _resumed_apart(rank: int) -> None:

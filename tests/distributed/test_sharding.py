@@ -272,6 +272,23 @@ def test_owned_factors_are_asked_of_their_owner(misuse: list[dict]) -> None:
         assert len(errors) == 1 and re.search("live on rank", errors[0])
 
 
+@pytest.mark.parametrize("distribute", ["replicate", "shard"])
+def test_data_parallelism_over_a_subgroup_raises(
+    misuse: list[dict], distribute: str
+) -> None:
+    # each rank's DDP (or FSDP2 mesh) is a group of its own: without the check the
+    # statistics of both independent replicas were averaged, silently
+    for rank, result in enumerate(misuse):
+        ddp = result[f"misuse/ddp_subgroup/{distribute}"]
+        assert ddp.startswith("ValueError") and f"processes [{rank}]" in ddp
+        assert "default process group" in ddp
+        fsdp = result[f"misuse/fsdp_submesh/{distribute}"]
+        assert fsdp.startswith("ValueError") and "device mesh" in fsdp
+        assert f"processes [{rank}]" in fsdp
+        # a group of every process in rank order is the default group's equal
+        assert result[f"misuse/ddp_all/{distribute}"] == "no error"
+
+
 def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:
     for result in misuse:
         assert re.search("cannot precondition FSDP2", result["misuse/fsdp_owned"])

@@ -12,7 +12,8 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 - `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
   owner in one all-to-all.
 - `communication`: the bytes each of them sends.
-- `collectives`: the checks that turn misuse into errors on every rank.
+- `collectives`: the checks that turn misuse into errors on every rank;
+  `groups`: the check that the model's data parallelism spans the default group.
 
 See the user guide's *Data parallelism* page.
 """
@@ -29,6 +30,7 @@ from singd_curvlinops.distributed.exchange import (
     StatisticsExchange,
     all_reduce_statistics,
 )
+from singd_curvlinops.distributed.groups import check_data_parallel
 from singd_curvlinops.distributed.resolution import resolve
 from singd_curvlinops.distributed.shard import Shard
 from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate
@@ -44,6 +46,7 @@ __all__ = [
     "assign",
     "bytes_per_step",
     "bytes_per_update",
+    "check_data_parallel",
     "check_same_configuration",
     "initialized",
     "rank",

@@ -1,0 +1,78 @@
+"""Which processes the optimizer talks to: the default process group, all of it.
+
+Every collective of the distribution strategies runs on the default process group
+(`torch.distributed.init_process_group`): the statistics of all its processes are
+combined as those of one batch. A model whose data parallelism spans fewer
+processes — `DistributedDataParallel(..., process_group=subgroup)`, as in an
+ensemble of independent replicas or a hybrid of data and model parallelism, or
+FSDP2 on a device mesh over part of the processes — would have its statistics
+mixed with those of processes that train other replicas or other layers: every
+factor wrong, with no error (the shapes agree). `check_data_parallel` turns
+that into a `ValueError` when the optimizer is built; `check_mesh` guards FSDP2
+layers again where they are stepped.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from singd_curvlinops.distributed.collectives import initialized, world_size
+
+_ONLY_DEFAULT = (
+    "the optimizer combines statistics over the default process group, so its "
+    "data parallelism must span all {world} processes in rank order (a subgroup "
+    "or a hybrid mesh is not supported)"
+)
+
+
+def check_data_parallel(model: Module) -> None:
+    """Raise unless the model's data parallelism uses the whole default group.
+
+    Args:
+        model: The model handed to the optimizer (possibly wrapped).
+
+    Raises:
+        ValueError: If `model` is a `DistributedDataParallel` without a process
+            group, or over a group that is not every process in rank order, or
+            has a `DTensor` parameter on a mesh that is not (`check_mesh`).
+    """
+    if isinstance(model, DistributedDataParallel):
+        if not initialized():
+            raise ValueError(
+                "model is wrapped in DistributedDataParallel, but no "
+                "torch.distributed process group is initialised (call "
+                "init_process_group first)."
+            )
+        ranks = dist.get_process_group_ranks(model.process_group)
+        if ranks != list(range(world_size())):
+            raise ValueError(
+                f"model is a DistributedDataParallel over the processes {ranks}: "
+                + _ONLY_DEFAULT.format(world=world_size())
+                + "."
+            )
+    for name, parameter in model.named_parameters():
+        check_mesh(name, parameter)
+
+
+def check_mesh(name: str, tensor: Tensor) -> None:
+    """Raise if a `DTensor` lives on a mesh that is not every process in order.
+
+    Args:
+        name: The parameter's name, for the message.
+        tensor: The parameter (plain tensors pass).
+
+    Raises:
+        ValueError: If its device mesh's ranks are not `0, ..., P - 1`.
+    """
+    if not isinstance(tensor, DTensor):
+        return
+    ranks = tensor.device_mesh.mesh.flatten().tolist()
+    if ranks != list(range(world_size())):
+        raise ValueError(
+            f"Parameter {name!r} is a DTensor on a device mesh over the processes "
+            f"{ranks}: " + _ONLY_DEFAULT.format(world=world_size()) + "."
+        )

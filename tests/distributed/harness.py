@@ -13,7 +13,7 @@ import importlib
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ class Case:
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
             (Conv2d 2→3, Linear 48→2) or `"norm"` (`"three"` with a LayerNorm
             before the first Linear: fallback parameters).
+        dtype: The model's and the data's dtype.
     """
 
     options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
@@ -70,6 +71,7 @@ class Case:
     distribute: str = "shard"
     kfac: bool = False
     model: str = "three"
+    dtype: torch.dtype = torch.float64
 
 
 def build_model(name: str) -> nn.Sequential:
@@ -123,6 +125,7 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     X, y = batch(step, case.model)
+    X = X.to(case.dtype)
     local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     X, y = X[local], y[local]
     optimizer.zero_grad()
@@ -158,7 +161,7 @@ def params(model: nn.Module) -> list[Tensor]:
 
 
 def train(case: Case, steps: int = STEPS) -> tuple[nn.Module, nn.Module, Any]:
-    model = build_model(case.model)
+    model = build_model(case.model).to(case.dtype)
     net = wrap(case, model) if dist.is_initialized() else model
     optimizer = make_optimizer(case, net)
     for step in range(steps):
@@ -168,7 +171,7 @@ def train(case: Case, steps: int = STEPS) -> tuple[nn.Module, nn.Module, Any]:
 
 def reference(case: Case, steps: int = STEPS) -> list[Tensor]:
     """One process on the concatenated batch (call without a process group)."""
-    single = Case(case.options, "manual", "replicate", case.kfac, case.model)
+    single = replace(case, wrap="manual", distribute="replicate")
     return params(train(single, steps)[0])
 
 

@@ -135,6 +135,9 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     ):
         _cross(results, out, saved, loaded)
     _bytes(results)
+    for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
+        case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
+        results[f"bfloat16/{distribute}"] = params(train(case)[0])
     settings = [Setting("cnn", "diagonal", 1, name) for name in STRATEGIES]
     results["bench"] = measure_distributed(settings, 1, 1, 0)
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
-from tests.distributed.harness import TOLERANCE, reference, spawn
+from tests.distributed.harness import DENSE, TOLERANCE, Case, reference, spawn
 from tests.distributed.jobs import CASES_W2, CASES_W3
 
 pytestmark = pytest.mark.slow
@@ -86,6 +86,23 @@ def test_shard_equals_replicate_and_moves_the_parameters(w2: list[dict]) -> None
         for p, q in zip(w2[0]["params/dense"], initial, strict=True)
     )
     assert moved > 1e-3
+
+
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
+def test_bfloat16_ranks_agree_bitwise_and_track_one_process(
+    w2: list[dict], distribute: str
+) -> None:
+    # the gathers carry bfloat16 directions and float32 factors in one buffer
+    case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
+    first, second = (result[f"bfloat16/{distribute}"] for result in w2)
+    _assert_identical(first, second, distribute)
+    expected, initial = reference(case), reference(case, steps=0)
+    for actual, wanted, start in zip(first, expected, initial, strict=True):
+        assert actual.dtype == torch.bfloat16
+        scale = wanted.double().abs().max()
+        error = (actual.double() - wanted.double()).abs().max() / scale
+        moved = (wanted.double() - start.double()).abs().max() / scale
+        assert error < 0.02 < moved, (error, moved)
 
 
 @pytest.mark.parametrize(

@@ -25,21 +25,20 @@ def resolve(
         ValueError: If `distribute` is another string.
         TypeError: If it is neither a string nor a strategy.
     """
+    strategies = {"replicate": Replicate, "shard": Shard}
     if isinstance(distribute, DistributionStrategy):
         strategy = copy.deepcopy(distribute)
-        strategy.options = options
-        return strategy
-    if not isinstance(distribute, str):
+    elif not isinstance(distribute, str):
         raise TypeError(
             "distribute must be 'replicate', 'shard' or a DistributionStrategy "
             f"(Replicate(), Shard(factors=...)), got {type(distribute).__name__}."
         )
-    strategies = {"replicate": Replicate, "shard": Shard}
-    if distribute not in strategies:
+    elif distribute not in strategies:
         raise ValueError(
             f"distribute must be 'replicate' or 'shard' (or Shard(factors='owned') "
             f"for only owners keeping factors), got {distribute!r}."
         )
-    strategy = strategies[distribute]()
+    else:
+        strategy = strategies[distribute]()
     strategy.options = options
     return strategy

@@ -23,7 +23,6 @@ from __future__ import annotations
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from singd_curvlinops.distributed.groups import check_mesh
 from singd_curvlinops.layers import Layer, LayerAdapter
 
 
@@ -44,7 +43,6 @@ def is_sharded(layer: Layer) -> bool:
     weight = layer.weight
     if not isinstance(weight, DTensor):
         return False
-    check_mesh(layer.name, weight)
     if type(layer.adapter).to_matrix is not LayerAdapter.to_matrix:
         raise ValueError(
             f"Layer {layer.name!r} ({layer.adapter.description}) arranges its "

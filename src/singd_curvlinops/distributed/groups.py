@@ -8,8 +8,8 @@ ensemble of independent replicas or a hybrid of data and model parallelism, or
 FSDP2 on a device mesh over part of the processes — would have its statistics
 mixed with those of processes that train other replicas or other layers: every
 factor wrong, with no error (the shapes agree). `check_data_parallel` turns
-that into a `ValueError` when the optimizer is built; `check_mesh` guards FSDP2
-layers again where they are stepped.
+that into a `ValueError` when the optimizer is built (the layers keep the
+parameters they had then).
 """
 
 from __future__ import annotations
@@ -22,12 +22,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops.distributed.collectives import initialized, world_size
 
-_ONLY_DEFAULT = (
-    "the optimizer combines statistics over the default process group, so its "
-    "data parallelism must span all {world} processes in rank order (a subgroup "
-    "or a hybrid mesh is not supported)"
-)
-
 
 def check_data_parallel(model: Module) -> None:
     """Raise unless the model's data parallelism uses the whole default group.
@@ -38,7 +32,7 @@ def check_data_parallel(model: Module) -> None:
     Raises:
         ValueError: If `model` is a `DistributedDataParallel` without a process
             group, or over a group that is not every process in rank order, or
-            has a `DTensor` parameter on a mesh that is not (`check_mesh`).
+            has a `DTensor` parameter on a mesh that is not (`_check_mesh`).
     """
     if isinstance(model, DistributedDataParallel):
         if not initialized():
@@ -48,17 +42,13 @@ def check_data_parallel(model: Module) -> None:
                 "init_process_group first)."
             )
         ranks = dist.get_process_group_ranks(model.process_group)
-        if ranks != list(range(world_size())):
-            raise ValueError(
-                f"model is a DistributedDataParallel over the processes {ranks}: "
-                + _ONLY_DEFAULT.format(world=world_size())
-                + "."
-            )
+        if message := _partial(ranks, "model is a DistributedDataParallel"):
+            raise ValueError(message)
     for name, parameter in model.named_parameters():
-        check_mesh(name, parameter)
+        _check_mesh(name, parameter)
 
 
-def check_mesh(name: str, tensor: Tensor) -> None:
+def _check_mesh(name: str, tensor: Tensor) -> None:
     """Raise if a `DTensor` lives on a mesh that is not every process in order.
 
     Args:
@@ -71,8 +61,26 @@ def check_mesh(name: str, tensor: Tensor) -> None:
     if not isinstance(tensor, DTensor):
         return
     ranks = tensor.device_mesh.mesh.flatten().tolist()
-    if ranks != list(range(world_size())):
-        raise ValueError(
-            f"Parameter {name!r} is a DTensor on a device mesh over the processes "
-            f"{ranks}: " + _ONLY_DEFAULT.format(world=world_size()) + "."
-        )
+    if message := _partial(ranks, f"Parameter {name!r} is a DTensor on a device mesh"):
+        raise ValueError(message)
+
+
+def _partial(ranks: list[int], what: str) -> str | None:
+    """Return the error for a group that is not every process in order (or None).
+
+    Args:
+        ranks: The global ranks of a process group or mesh, in its order.
+        what: The start of the message, naming the group's owner.
+
+    Returns:
+        The message naming the processes, or None if `ranks` are `0, ..., P - 1`.
+    """
+    world = world_size()
+    if ranks == list(range(world)):
+        return None
+    return (
+        f"{what} over the processes {ranks}: the optimizer combines statistics "
+        "over the default process group, so its data parallelism must span all "
+        f"{world} processes in rank order (a subgroup or a hybrid mesh is not "
+        "supported)."
+    )

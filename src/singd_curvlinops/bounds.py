@@ -153,7 +153,7 @@ def spectral_norm(M: StructuredMatrix, peak: Tensor) -> Tensor:
     if isinstance(M, DiagonalMatrix):
         return peak
     tiny = torch.finfo(M.dtype).tiny
-    v = _start(M.dim, M.dtype, M.device)
+    v = start_vector(M.dim, M.dtype, M.device)
     for _ in range(POWER_ITERATIONS):
         u = M @ v
         u = u / torch.linalg.vector_norm(u).clamp(min=tiny)
@@ -164,7 +164,7 @@ def spectral_norm(M: StructuredMatrix, peak: Tensor) -> Tensor:
 
 
 @lru_cache(maxsize=64)
-def _start(dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def start_vector(dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     r"""Return the power iteration's start vector \(\cos(2.4 i)\), `[dim, 1]`.
 
     Args:

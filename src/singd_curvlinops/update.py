@@ -124,21 +124,70 @@ def factor_step(
         lr = hyper.lr_cov / m_new.infinity_vector_norm().clamp(min=1.0)
     step = K @ m_new
     peak_K, peak_step, peak_m = peaks([K.tensors(), step.tensors(), m_new.tensors()])
-    scale = trust_region(lr, spectral_norm(m_new, peak_m))
-    step.mul_(scale)  # exactly 1 within the region
-    ok = lands(peak_K, peak_step * scale, lr, K.dtype) & torch.isfinite(peak_m)
+    ok = limited_factor_step(
+        K.tensors(),
+        m_K.tensors(),
+        m_new.tensors(),
+        step.tensors(),
+        lr=lr,
+        peaks=(peak_K, peak_step, peak_m),
+        norm=spectral_norm(m_new, peak_m),
+        accept=accept,
+    )
+    return m_new, ok
+
+
+def limited_factor_step(
+    factor: Sequence[Tensor],
+    momentum: Sequence[Tensor],
+    new_momentum: Sequence[Tensor],
+    step: Sequence[Tensor],
+    *,
+    lr: float | Tensor,
+    peaks: tuple[Tensor, Tensor, Tensor],
+    norm: Tensor,
+    accept: Tensor | None,
+) -> Tensor:
+    r"""Take \(K \gets K - \beta_1 s\, K m_K\) if sound: `factor_step`'s second half.
+
+    Works on stored tensors: a factor's, or the column blocks of a dense \(K\)
+    that `distributed.columns` splits over the ranks, whose numbers for the whole
+    factor come from every rank's block (`distributed.column_bounds`). The step
+    \(K m_K\) is scaled by the trust region's \(s\) (`bounds.trust_region`) and
+    kept if \(m_K\) is finite and \(K\) `lands` (and `accept` holds); otherwise
+    \(K\) gets an exact zero step and the new momentum its previous value.
+
+    Args:
+        factor: The tensors of \(K\) (updated in place).
+        momentum: Those of \(m_K\) before the step (not modified).
+        new_momentum: Those of the new \(m_K\) (take the old values if discarded).
+        step: Those of \(K m_K\) (consumed).
+        lr: \(\beta_1\) (a 0-d tensor with `normalize_lr_cov`).
+        peaks: \(\max|K|\), \(\max|K m_K|\), \(\max|m_K|\) of the whole factor.
+        norm: \(\|m_K\|_2\), or its estimate (`bounds.spectral_norm`).
+        accept: A 0-d boolean that must also hold; None: true.
+
+    Returns:
+        Whether the update was kept (0-d boolean).
+    """
+    peak_K, peak_step, peak_m = peaks
+    scale = trust_region(lr, norm)
+    for tensor in step:
+        tensor.mul_(scale)  # exactly 1 within the region
+    ok = lands(peak_K, peak_step * scale, lr, factor[0].dtype) & torch.isfinite(peak_m)
     ok = ok if accept is None else ok & accept
-    for new, old in zip(m_new.tensors(), m_K.tensors(), strict=True):
+    for new, old in zip(new_momentum, momentum, strict=True):
         torch.where(ok, new, old, out=new)
     discard = ~ok
-    for tensor in step.tensors():  # a discarded step adds an exact 0
+    for tensor in step:  # a discarded step adds an exact 0
         tensor.masked_fill_(discard, 0.0)
     if isinstance(lr, Tensor):  # (a NaN learning rate would spoil the 0)
         alpha = -lr.masked_fill(discard, 0.0)
+        torch._foreach_add_(list(factor), torch._foreach_mul(list(step), alpha))
     else:
         alpha = -lr if math.isfinite(lr) else 0.0
-    K.add_(step, alpha=alpha)
-    return m_new, ok
+        torch._foreach_add_(list(factor), list(step), alpha=alpha)
+    return ok
 
 
 def precondition(

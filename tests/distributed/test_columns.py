@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed.assignment import column_blocks, column_layers
 from tests.distributed.harness import TOLERANCE, reference, spawn
 from tests.distributed.jobs_columns import CASES, REPLICATE
@@ -133,8 +134,8 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict]) -> None:
             recorded = result[f"bytes/{step}"]["all_gather"]
             reported = result[f"bytes/{step}/reported"]["gather"]
             assert sum(recorded) == reported > 0
-        # an update step: blocks, maxima (normalize_lr_cov), directions
-        assert len(result["bytes/0"]["all_gather"]) == 3
+        # an update step: blocks, the step limits (column_bounds), directions
+        assert len(result["bytes/0"]["all_gather"]) == 1 + POWER_ITERATIONS + 1 + 1
         assert len(result["bytes/1"]["all_gather"]) == 1
 
 

@@ -18,8 +18,8 @@ couple the sides are sums over the blocks: \(\bar{\mathrm{tr}}(H_K) = \sum_r
 \sum_{j \in J_r} (K_r^\top U_K K_r)_{jj} / d_K\) and \(\bar{\mathrm{tr}}(K^\top K) =
 \sum_r \|K_r\|_F^2 / d_K\) travel with the blocks; \(\bar{\mathrm{tr}}(H_C)\),
 \(\bar{\mathrm{tr}}(C^\top C)\) are every rank's own. With `normalize_lr_cov` the
-largest entry of \(m_K\) is the largest of the blocks' (a second, small
-`all_gather`). The projection's symmetrisation \((M + M^\top)/2\) is left out: it
+largest entry of \(m_K\) is the largest of the blocks' (from the guard's
+gathers, below). The projection's symmetrisation \((M + M^\top)/2\) is left out: it
 only removes round-off.
 
 The preconditioned gradient is a sum over the blocks,
@@ -28,21 +28,25 @@ The preconditioned gradient is a sum over the blocks,
 terms in rank order and applies \(C C^\top\) (`finish_direction`), so every
 rank applies the same numbers.
 
-The step guard (`singd_curvlinops.guard`) covers these layers only in part:
-\(C\)'s update goes through `update.factor_step` (trust region, discarded if not
-finite), but the blocks of \(K\) take the plain step \(K_r \gets K_r - \beta_1
-K (m_K)_{:,J_r}\), without the trust region or the discard (the guide page
-"Failure modes" says so); their parameter steps are checked as every layer's.
+The step guard (`singd_curvlinops.guard`) covers these layers as one process's:
+every rank forms its block \(K (m_K)_{:,J_r}\) of the step, and
+`column_bounds` gathers the numbers of the whole step (the peaks, and the power
+iteration's estimate of \(\|m_K\|_2\) for the trust region), so that every
+rank limits its block by the same factor and keeps or discards it by the same
+verdict (`update.limited_factor_step`), which the guard counts and reports as
+any layer's; \(C\)'s update goes through `update.factor_step`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from singd_curvlinops.bounds import peaks
 from singd_curvlinops.distributed.assignment import column_blocks
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
@@ -50,6 +54,7 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
+from singd_curvlinops.distributed.column_bounds import StepLimits, step_limits
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.factors import load_factor, store_factor
@@ -57,6 +62,7 @@ from singd_curvlinops.rules.singd import resolved_alpha1
 from singd_curvlinops.update import (
     FactorHyperparameters,
     factor_step,
+    limited_factor_step,
     momentum_increment,
     precondition_output_side,
 )
@@ -124,14 +130,15 @@ def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
         _block_step(stepper, layer, stats, products[i], [b[i] for b in received])
         for i, (layer, stats) in enumerate(work)
     ]
-    rates = _step_sizes(stepper, layers, [m for m, *_ in steps], dtype, device)
-    for layer, (m_new, K, traces_K, side_C), lr in zip(
-        layers, steps, rates, strict=True
+    block_steps = [K @ m_new for m_new, K, *_ in steps]
+    columns = [block(layer.dims[0], rank(), world) for layer in layers]
+    limits = step_limits([m for m, *_ in steps], block_steps, columns, dtype)
+    for layer, (m_new, K, traces_K, side_C), step, limit in zip(
+        layers, steps, block_steps, limits, strict=True
     ):
-        state = stepper.state[layer.weight]
-        state["K.mat"].sub_((K @ m_new).mul_(lr))
-        state["m_K.mat"] = m_new
-        _update_C(state, stepper.group(layer), side_C, traces_K)
+        state, group = stepper.state[layer.weight], stepper.group(layer)
+        commit = partial(_commit, state, group, m_new, K, step, limit, traces_K, side_C)
+        stepper.guard.factor_update(layer, state, [], commit, checks=True)
         stepper.forget(layer, (0, 1))
 
 
@@ -248,66 +255,63 @@ def _hyperparameters(state: dict[str, Any], group: dict[str, Any]) -> Any:
     )
 
 
-def _step_sizes(
-    stepper: Any,
-    layers: Sequence[Layer],
-    momenta: Sequence[Tensor],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[Any]:
-    r"""Return each layer's \(\beta_1\), normalised by the largest entry of \(m_K\).
-
-    Args:
-        stepper: The shell's `LayerStepper`.
-        layers: The split layers.
-        momenta: This rank's blocks of their new \(m_K\).
-        dtype: The gather's dtype.
-        device: Its device.
-
-    Returns:
-        Per layer, \(\beta_1\) or \(\beta_1 / \max(1, \|m_K\|_{\max})\).
-    """
-    hypers = [
-        _hyperparameters(stepper.state[layer.weight], stepper.group(layer))
-        for layer in layers
-    ]
-    if not any(h.normalize_lr_cov for h in hypers):
-        return [h.lr_cov for h in hypers]
-    local = torch.stack([m.abs().max().to(dtype) for m in momenta])
-    world = world_size()
-    with named_collective("The all_gather of the largest entries of m_K"):
-        maxima = all_gather_parts([local], [len(layers)] * world, dtype, device)
-    largest = torch.stack(maxima).amax(0)
-    return [
-        h.lr_cov / largest[i].clamp(min=1.0).to(m.dtype)
-        if h.normalize_lr_cov
-        else h.lr_cov
-        for i, (h, m) in enumerate(zip(hypers, momenta, strict=True))
-    ]
-
-
-def _update_C(
+def _commit(
     state: dict[str, Any],
     group: dict[str, Any],
-    side_C: tuple[Any, Any],
+    m_new: Tensor,
+    K: Tensor,
+    step: Tensor,
+    limits: StepLimits,
     traces_K: tuple[Tensor, Tensor],
-) -> None:
-    r"""Update the whole \(C\) and \(m_C\) (every rank, identical numbers).
+    side_C: tuple[Any, Any],
+    *,
+    accept: Tensor,
+) -> dict[int, Tensor]:
+    r"""Take this rank's step of \(K\)'s block and the whole \(C\)'s, each if sound.
+
+    \(K_r \gets K_r - \beta_1 s\, K (m_K)_{:,J_r}\) with the trust region's
+    \(s\) and the verdict of the whole factor (`column_bounds`), as one process
+    takes it (`update.limited_factor_step`); \(C\) by `update.factor_step`.
 
     Args:
         state: The layer's state.
         group: Its parameter group.
-        side_C: \(H_C\), \(\Pi(C^\top C)\) (consumed).
+        m_new: This rank's block of the new \(m_K\) (kept, or given the old
+            values if the step is discarded).
+        K: The whole old \(K\).
+        step: This rank's block \(K (m_K)_{:,J_r}\) (consumed).
+        limits: The numbers of the whole step.
         traces_K: \(\bar{\mathrm{tr}}(H_K)\), \(\bar{\mathrm{tr}}(K^\top K)\).
+        side_C: \(H_C\), \(\Pi(C^\top C)\) (consumed).
+        accept: Whether the step's inputs were finite (the guard's verdict).
+
+    Returns:
+        Per side, whether its update was kept (the same on every rank).
     """
-    name = group["structures"][1]
     hyper = _hyperparameters(state, group)
+    lr: float | Tensor = hyper.lr_cov
+    if hyper.normalize_lr_cov:
+        lr = hyper.lr_cov / limits.peak_momentum.clamp(min=1.0).to(m_new.dtype)
+    (peak_K,) = peaks([[K]])
+    kept_K = limited_factor_step(
+        [state["K.mat"]],
+        [state["m_K.mat"]],
+        [m_new],
+        [step],
+        lr=lr,
+        peaks=(peak_K, limits.peak_step, limits.peak_momentum),
+        norm=limits.norm,
+        accept=accept,
+    )
+    state["m_K.mat"] = m_new
     increment = momentum_increment(
         *side_C, trace_H_other=traces_K[0], trace_KtK_other=traces_K[1], hyper=hyper
     )
+    name = group["structures"][1]
     C, m_C = load_factor(state, "C", name), load_factor(state, "m_C", name)
-    m_C_new, _ = factor_step(C, m_C, increment, hyper)  # (its verdict: see module)
+    m_C_new, kept_C = factor_step(C, m_C, increment, hyper, accept)
     store_factor(state, "m_C", m_C_new)
+    return {0: kept_K, 1: kept_C}
 
 
 def partial_direction(stepper: Any, layer: Layer, grad: Tensor) -> Tensor:

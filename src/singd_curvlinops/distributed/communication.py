@@ -9,7 +9,9 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Layers whose \(K\) is split by
   column blocks (`columns`) add, on update steps, the gather of the blocks and
-  two partial traces each (and of one maximum each with `normalize_lr_cov`).
+  two partial traces each, and the step guard's `POWER_ITERATIONS + 1` small
+  gathers (`column_bounds`: \(d_K\) numbers per layer and iteration, two
+  peaks and a squared norm).
   Factors travel on update steps (`factors="replicated"`), preconditioned
   gradients (or FSDP2's rows, or column blocks' terms) on every step.
 - **relay**: the point-to-point messages of split layers (`relay`):
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
@@ -188,8 +191,7 @@ def _column_bytes(layers: list, groups: list, world: int) -> int:
         world: The number of ranks.
 
     Returns:
-        The blocks with two partial traces each, and the maxima of `m_K` if a
-        layer normalises its factor learning rate.
+        The blocks with two partial traces each, and the step limits' gathers.
     """
     itemsize = buffer_dtype(layers, groups).itemsize
     shares = [
@@ -201,9 +203,6 @@ def _column_bytes(layers: list, groups: list, world: int) -> int:
         )
         for r in range(world)
     ]
-    total = world * max(shares) * itemsize
-    if any(
-        layer.options(groups[layer.group_index])["normalize_lr_cov"] for layer in layers
-    ):
-        total += world * len(layers) * itemsize
-    return total
+    dims = sum(layer.dims[0] for layer in layers)
+    limits = POWER_ITERATIONS * dims + 3 * len(layers)  # (`column_bounds`)
+    return world * (max(shares) + limits) * itemsize

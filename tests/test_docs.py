@@ -74,6 +74,14 @@ def test_skipped_blocks_say_where_they_are_tested(page: Path) -> None:
             assert code.strip(), f"{page_id(page)}: an empty skipped block"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_pages_hold_no_control_characters(page: Path) -> None:
+    """A `\\beta` written through a Python string without `r` became a backspace."""
+    text = page.read_bytes().decode()
+    found = sorted({repr(c) for c in text if ord(c) < 32 and c != "\n"})
+    assert not found, f"control characters {found} (LaTeX escapes lost?)"
+
+
 def test_skip_marker_and_indented_blocks_are_recognised() -> None:
     text = (
         "x\n```python\nprint(1)\n```\n"

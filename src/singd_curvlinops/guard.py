@@ -103,6 +103,18 @@ class StepGuard:
         self._deferred: list[tuple[Any, Verdict, Callable[[Tensor], None]]] = []
 
     # -------------------------------------------------------------- checking
+    def require(self, ok: Tensor) -> None:
+        """Count one more verdict with the step's inputs, before any change.
+
+        For statistics formed during the step (by their owners, under
+        `Shard(factors="owned")`), once the ranks agreed on them: if `ok` is
+        False, the step is skipped as a whole, as for non-finite gradients.
+
+        Args:
+            ok: A 0-d boolean tensor, the same on every rank.
+        """
+        self.inputs = self.inputs & ok.to(self.device)
+
     def factor_update(
         self,
         layer: Layer,

@@ -5,9 +5,10 @@
   identical on the ranks and equal to one process on the whole batch (which
   discards the same updates). A parameter step that overflows is skipped alike.
 - `Shard`: statistics whose rows are finite on every rank overflow only where
-  their owner forms them (rows of about 1e20 in float32). Every rank then takes
-  the same step: the owner's factor update is discarded and reported on every
-  rank (before, the owner alone skipped the step and the parameters diverged).
+  their owner forms them (rows of about 1e20 in float32). Every rank then skips
+  the step as a whole, as one process does (its hooks form the same
+  statistics). Before, the owner alone skipped it and the parameters diverged;
+  later, every rank discarded the owner's factor update and took the step.
 - FSDP2: only rank 0's rows of a layer overflow (rank 1's rows have no gradient,
   only weight decay); the ranks agree, so rank 1 does not step its rows either.
 """
@@ -110,7 +111,7 @@ def _owner_overflow(distribute: Any, world: int, rank: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(16, 6), nn.Linear(6, 40), nn.Linear(40, 3))
     with torch.no_grad():
         model[0].weight.mul_(1e-20)  # its outputs, the later layers' rows, are O(1)
-    net = DistributedDataParallel(model)
+    net = DistributedDataParallel(model) if world > 1 else model
     opt = SINGD(net, lr=1e-3, momentum=0.5, T=1, lr_cov=0.1, distribute=distribute)
     X, Y = torch.randn(8, 16) * 1e20, torch.randn(8, 3)
     share = slice(rank * 8 // world, (rank + 1) * 8 // world)
@@ -129,6 +130,7 @@ def _owner_overflow(distribute: Any, world: int, rank: int) -> dict[str, Any]:
             opt.state[layer.weight].get("discarded_factor_updates", 0)
             for layer in opt.layers
         ],
+        "skipped": opt.skipped_steps,
     }
 
 
@@ -181,15 +183,17 @@ def test_fsdp_ranks_agree_on_a_layer_whose_rows_overflow_on_one_rank(
 
 
 @pytest.mark.parametrize("name", ["shard", "owned"])
-def test_statistics_that_overflow_on_their_owner_alone_step_every_rank_alike(
+def test_statistics_that_overflow_on_their_owner_alone_skip_the_step_everywhere(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
+    single = _owner_overflow("replicate", 1, 0)
+    assert not any(single["changed"])  # one process skips the step as a whole
+    assert single["skipped"] == 1 and single["per_layer"] == [0, 0, 0]
+    assert len(single["messages"]) == 1
+    assert "skipped step 1: non-finite" in single["messages"][0]
     first, second = (result[f"overflow/{name}"] for result in ranks)
     for result in (first, second):
-        assert all(result["changed"])  # the step is taken on both ranks
-        assert result["per_layer"] == [1, 0, 0]  # layer 0's update is discarded
-        assert len(result["messages"]) == 1
-        assert "discarded the factor update of layer '0'" in result["messages"][0]
-    assert first["messages"] == second["messages"]
+        for key in ("changed", "skipped", "per_layer", "messages"):
+            assert result[key] == single[key]
     for mine, theirs in zip(first["params"], second["params"], strict=True):
         assert torch.equal(mine, theirs)

@@ -55,6 +55,7 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.column_bounds import StepLimits, step_limits
+from singd_curvlinops.distributed.gram_rows import as_dense
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.factors import load_factor, store_factor
@@ -66,6 +67,7 @@ from singd_curvlinops.update import (
     momentum_increment,
     precondition_output_side,
 )
+from singd_curvlinops.verdicts import finite
 
 SPLIT_PREFIXES = ("K", "m_K")  # the entries kept by column blocks
 
@@ -94,6 +96,26 @@ def is_split_key(key: str) -> bool:
         True for \(K\)'s and \(m_K\)'s tensor.
     """
     return key.split(".", 1)[0] in SPLIT_PREFIXES
+
+
+def step(stepper: Any, layers: Sequence[tuple[Layer, bool]]) -> None:
+    """Update the split layers that are due (a collective: every rank, same layers).
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layers: The split layers of the step (same order on every rank), each
+            with whether its factors update in this step.
+    """
+    pending = []
+    for layer, due in layers:
+        if due:
+            statistics = stepper.take(layer)
+            pending.append(
+                (layer, None if statistics is None else as_dense(statistics))
+            )
+    update(stepper, pending)
+    for layer, due in layers:
+        stepper.finish(layer, due=due)
 
 
 def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
@@ -130,6 +152,11 @@ def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
         _block_step(stepper, layer, stats, products[i], [b[i] for b in received])
         for i, (layer, stats) in enumerate(work)
     ]
+    # the statistics one process checks before any change: H_C, and H_K by its
+    # diagonal (H_K is positive semi-definite), whose blocks the traces sum
+    formed = [part[1] for parts in received for part in parts]
+    formed += [tensor for *_, (H_C, _) in steps for tensor in H_C.tensors()]
+    stepper.guard.require(finite(formed, stepper.guard.device))
     block_steps = [K @ m_new for m_new, K, *_ in steps]
     columns = [block(layer.dims[0], rank(), world) for layer in layers]
     limits = step_limits([m for m, *_ in steps], block_steps, columns, dtype)

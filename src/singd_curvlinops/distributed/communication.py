@@ -22,8 +22,11 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   64-bit integers per step: the step count and the options' fingerprint) and
   its agreement on the step guard's verdicts (a 32-bit integer for the step's
   inputs, for each side of each updated layer, each layer and each fallback
-  parameter; see `singd_curvlinops.guard`). Under `Replicate` the options'
-  fingerprints travel in the statistics all-reduce: one number per rank.
+  parameter; see `singd_curvlinops.guard`); on update steps also the agreement
+  on the statistics that owners formed (`formed_statistics`: a 32-bit integer
+  per layer reduced to its owners, or one under owned factors). Under
+  `Replicate` the options' fingerprints travel in the statistics all-reduce:
+  one number per rank.
 
 DDP's own all-reduce of the gradients (the parameters' size, every step) comes
 on top under every strategy.
@@ -43,6 +46,7 @@ from singd_curvlinops.distributed.assignment import column_blocks, stored_entrie
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
+from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.shard import Shard
 
 
@@ -174,6 +178,11 @@ def bytes_per_step(
             relay += layer.dims[1 - plan[layer].anchor] ** 2 * itemsize
     verdicts = 1 + 2 * len(layers) * update + len(layers)
     verdicts += len(optimizer.fallback_params)
+    if update:  # the agreement on what the owners formed (`formed_statistics`)
+        if strategy.factors == "owned":
+            verdicts += len(split) < len(layers)
+        elif owner_ranks(plan, layers, rule, owned=False) is not None:
+            verdicts += len(layers)
     return {
         "statistics": statistics,
         "gather": gathered,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops.distributed import columns
+from singd_curvlinops.distributed import columns, formed_statistics
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
     named_collective,
@@ -46,7 +46,6 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.fsdp import chunk_rows, is_sharded, local
-from singd_curvlinops.distributed.gram_rows import as_dense, statistics_on_owner
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -102,13 +101,21 @@ class GatheredStep:
             layers: The layers of this step, in the same order on every rank.
         """
         due = [self.stepper.due(layer) for layer in layers]
-        self._update_columns(layers, due)
+        is_due = dict(zip(layers, due, strict=True))
+        split = [layer for layer in layers if self._split(layer)]
+        taken = formed_statistics.take(
+            self.stepper,
+            [layer for layer in layers if is_due[layer] and layer not in split],
+            lambda layer: bool(owned_sides(self.plan[layer], self.me)),
+            form=self.dense_statistics,
+        )
+        columns.step(self.stepper, [(layer, is_due[layer]) for layer in split])
         relayed = [layer for layer in layers if self.relayed(layer)]
         dtype = buffer_dtype(layers, self.stepper.groups) if relayed else None
         self._relay = Relay(self.stepper, self.plan, layers, relayed, dtype, self.me)
-        for layer, is_due in zip(layers, due, strict=True):
-            if not self._split(layer):
-                self._update(layer, is_due)
+        for layer in layers:
+            if layer not in split:
+                self._update(layer, is_due[layer], taken.get(layer))
                 self._relay.send(layer)
         for layer in relayed:  # a helper's work, after its own updates
             self._relay.help(layer)
@@ -150,18 +157,16 @@ class GatheredStep:
         return None, [s + d for s, d in zip(states, directions, strict=True)]
 
     # ---------------------------------------------------------------- factors
-    def _update(self, layer: Layer, due: bool) -> None:
-        """Take the statistics of a due layer; update the sides this rank owns.
+    def _update(self, layer: Layer, due: bool, statistics: Any) -> None:
+        """Update the sides of a due layer that this rank owns.
 
         Args:
             layer: The layer.
             due: Whether its factors update in this step.
+            statistics: Its statistics (`formed_statistics.take`), or None.
         """
         if due:
-            statistics = self.stepper.take(layer)
             sides = owned_sides(self.plan[layer], self.me)
-            if self.dense_statistics and statistics is not None and sides:
-                statistics = statistics_on_owner(self.stepper, layer, statistics)
             if self._relay.helped_here(layer) and statistics is not None:
                 self._relay.update_helped(layer, statistics)
             elif self.stepper.rule.splits_sides and (sides or self.share_state):
@@ -201,28 +206,6 @@ class GatheredStep:
         """
         assignment = self.plan[layer]
         return assignment is not None and assignment.columns
-
-    def _update_columns(self, layers: Sequence[Layer], due: list[bool]) -> None:
-        """Update the layers split by column blocks together (one collective).
-
-        Args:
-            layers: The layers.
-            due: Per layer, whether its factors update.
-        """
-        split = [
-            (layer, is_due)
-            for layer, is_due in zip(layers, due, strict=True)
-            if self._split(layer)
-        ]
-        pending = []
-        for layer, is_due in split:
-            if is_due:
-                statistics = self.stepper.take(layer)
-                dense = None if statistics is None else as_dense(statistics)
-                pending.append((layer, dense))
-        columns.update(self.stepper, pending)
-        for layer, is_due in split:
-            self.stepper.finish(layer, due=is_due)
 
     def _state_items(self, layers: Sequence[Layer], due: list[bool], r: int) -> list:
         """Return the state entries rank `r` sends (of the sides it updated).

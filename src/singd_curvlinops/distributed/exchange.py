@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
+from singd_curvlinops.distributed import formed_statistics
 from singd_curvlinops.distributed.collectives import (
     check_same_options,
     fingerprint,
@@ -254,6 +255,8 @@ class StatisticsExchange:
             totals, kept, finite = reduce_to_owners(
                 statistics, owners, keep_rows=self._keep_rows
             )
+            if not self._keep_rows:  # (the owned form checks in its step)
+                finite = formed_statistics.agreed(kept, owners, finite)
             for record, (H_K, H_C), ok in zip(records, kept, finite, strict=True):
                 record.H_K, record.H_C, record.agreed_finite = H_K, H_C, ok
         for layer, record, total in zip(due, records, totals, strict=True):

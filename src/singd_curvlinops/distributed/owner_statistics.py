@@ -41,21 +41,21 @@ what every rank needs:
   combined trace (average traces add up);
 - a probe of the layer's packed entries, 0 if they are all finite and NaN
   otherwise (`_probe`): it is non-finite on every rank iff some rank's
-  statistics hold an infinity or NaN, and then every rank fills
-  the layer's statistics with NaN, so that all ranks skip the step together as
-  they do after the all-reduce (`KroneckerOptimizer`'s finiteness check);
+  statistics hold an infinity or NaN, and then every rank fills the layer's
+  statistics with NaN, so that all ranks skip the step together as they do
+  after the all-reduce (`KroneckerOptimizer`'s finiteness check);
 - every rank's number of rows per side, and per side how many ranks hold it
   densely: every rank chooses each side's form alike, and knows the sizes of
   the all-to-all.
 
 A side formed from rows (by its owner, or by a rank before it travels densely)
-can overflow where the rows did not (about \(10^{19}\) in float32): the step's
-input verdict reads the probe (`PendingStatistics.agreed_finite`, the same on
-every rank), and the owner's factor update is discarded on every rank, where
-the all-reduce would have skipped the step. A rank's statistics of sides it
-neither owns nor needs the trace of stay its own, unused. Per-example rows
-(EKFAC), twins (tied weights: `pending.kronecker_sum`), layers split by column
-blocks and replicated layers keep the all-reduce (`owner_ranks` returns None).
+can overflow where the rows did not (about \(10^{19}\) in float32): the ranks
+agree on what the owners formed (`formed_statistics.agreed`), the step's input
+verdict reads it (`PendingStatistics.agreed_finite`, the same on every rank), and
+every rank skips the step as the all-reduce (and one process) would. A rank's
+statistics of sides it neither owns nor needs the trace of stay its own, unused.
+Per-example rows (EKFAC), twins (tied weights: `pending.kronecker_sum`), column
+blocks and replicated layers keep the all-reduce (`owner_ranks` gives None).
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ process on the whole batch, also where the guard acts:
   statistics are finite, the factor updates are not (their traces couple
   1e200 with 1e200): discarded and reported as by one process (a learning
   rate of 1e-230 at that step keeps the parameter step finite).
+- `formed`: inputs of 1e150 (float64): the dense statistics the ranks all-reduce
+  stay finite, but from the next step on `H_K = Kᵀ U_K K`, which the ranks
+  form from them, overflows, as one process's hooks' statistics do: every rank
+  skips those steps as one process does. Without the check of the formed
+  statistics the ranks discarded the factor updates and took the steps.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ SCENARIOS = {
     "skip": ({}, 2, "inf"),
     "trust": ({"lr_cov": 50.0}, None, None),
     "overflow": ({}, 3, "huge"),
+    "formed": ({}, 3, "wide"),
 }
 
 
@@ -58,6 +64,8 @@ def _inputs(X: Tensor, event: str | None) -> tuple[Tensor, float]:
     if event == "inf":
         X = X.clone()
         X[0, 0, 0, 0] = float("inf")  # (example 0: rank 0's share)
+    if event == "wide":
+        return X * 1e150, 1.0
     return (X * 1e100, 1e100) if event == "huge" else (X, 1.0)
 
 
@@ -138,6 +146,8 @@ def test_the_scenarios_exercise_the_guard(monkeypatch: pytest.MonkeyPatch) -> No
     assert _train("skip", 1, 0)["skipped"] > 0
     overflow = _train("overflow", 1, 0)
     assert overflow["discarded"] == [1, 1]  # the split layer's among them
+    formed = _train("formed", 1, 0)
+    assert formed["skipped"] > 0 and formed["discarded"] == [0, 0]
     scales = []
 
     def recorded(lr: Any, norm: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ r"""Bounds that keep SINGD's steps finite and faithful, computed on the device.
 - `peaks`: the largest absolute entry of groups of tensors, from the largest
   and smallest entry of each (no temporary, also for strided views) and one
   stack.
+- `finite`: whether tensors hold only finite numbers, as a 0-d boolean tensor.
 - `lands`: whether \(b - \eta c\) stays finite, from the peaks of \(b\) and \(c\).
 - `trust_region`: the scale of a factor step, with `spectral_norm`, an estimate
   of \(\|m_K\|_2\) (the math is in `trust_region`'s docstring).
@@ -13,7 +14,7 @@ None of them reads a number on the host: the optimizer's guard
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 import torch
@@ -74,6 +75,26 @@ def _extremes(tensor: Tensor) -> tuple[Tensor, Tensor]:
     if tensor.is_contiguous():
         return tuple(torch.aminmax(tensor))
     return tensor.amax(), tensor.amin()
+
+
+def finite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
+    """Return a 0-d boolean tensor: do all `tensors` hold only finite values?
+
+    Args:
+        tensors: Floating-point tensors to check (empty ones pass).
+        device: The device of the result.
+
+    Returns:
+        True for no tensor; no host synchronisation.
+    """
+    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
+    if not extremes:
+        return torch.ones((), dtype=torch.bool, device=device)
+    # min and max propagate NaN and carry ±inf: two numbers per tensor, stacked
+    # in a dtype that holds each of them (float64 ones would overflow float32)
+    wide = torch.float64 if any(v.dtype == torch.float64 for v in extremes) else None
+    stacked = torch.stack([v.to(device, wide or torch.float32) for v in extremes])
+    return torch.isfinite(stacked).all()
 
 
 def lands(

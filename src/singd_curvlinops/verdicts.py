@@ -1,9 +1,9 @@
 r"""Verdicts of the step guard (`singd_curvlinops.guard`) and its counters.
 
-A verdict is a 0-d boolean tensor on the device: `finite` and `inputs_verdict`
-form them without a host read, `choose` applies one to in-place changes
-(`torch.where`), a `Verdict` record keeps it with the host numbers to restore if
-it fails. The counters live in the optimizer state of the parameters: each
+A verdict is a 0-d boolean tensor on the device: `finite` (from `bounds`) and
+`inputs_verdict` form them without a host read, `choose` applies one to in-place
+changes (`torch.where`), a `Verdict` record keeps it with the host numbers to
+restore if it fails. The counters live in the optimizer state of the parameters: each
 parameter's `"skipped_steps"` (steps in which its update was skipped) and each
 layer weight's `"discarded_factor_updates"`, plain ints created at 0 with the
 rest of the state (`init_counters`; also after loading a checkpoint written
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from singd_curvlinops.bounds import finite
 from singd_curvlinops.distributed.collectives import agree, world_size
 from singd_curvlinops.distributed.fsdp import local
 
@@ -29,26 +30,6 @@ COUNTERS = (SKIPPED, DISCARDED)
 
 # a value to write into `target`: `new` if the verdict holds, else `old`
 Choice = tuple[Tensor, Tensor, Tensor]
-
-
-def finite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
-    """Return a 0-d boolean tensor: do all `tensors` hold only finite values?
-
-    Args:
-        tensors: Floating-point tensors to check (empty ones pass).
-        device: The device of the result.
-
-    Returns:
-        True for no tensor; no host synchronisation.
-    """
-    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
-    if not extremes:
-        return torch.ones((), dtype=torch.bool, device=device)
-    # min and max propagate NaN and carry ±inf: two numbers per tensor, stacked
-    # in a dtype that holds each of them (float64 ones would overflow float32)
-    wide = torch.float64 if any(v.dtype == torch.float64 for v in extremes) else None
-    stacked = torch.stack([v.to(device, wide or torch.float32) for v in extremes])
-    return torch.isfinite(stacked).all()
 
 
 def inputs_verdict(

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops.bounds import peaks
+from singd_curvlinops.bounds import finite, peaks
 from singd_curvlinops.distributed.assignment import column_blocks
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
@@ -55,7 +55,6 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.column_bounds import StepLimits, step_limits
-from singd_curvlinops.distributed.formed_statistics import all_finite
 from singd_curvlinops.distributed.gram_rows import as_dense
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
@@ -156,7 +155,7 @@ def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
     # diagonal (H_K is positive semi-definite), whose blocks the traces sum
     formed = [part[1] for parts in received for part in parts]
     formed += [tensor for *_, (H_C, _) in steps for tensor in H_C.tensors()]
-    stepper.guard.require(all_finite(formed, stepper.guard.device))
+    stepper.guard.require(finite(formed, stepper.guard.device))
     block_steps = [K @ m_new for m_new, K, *_ in steps]
     columns = [block(layer.dims[0], rank(), world) for layer in layers]
     limits = step_limits([m for m, *_ in steps], block_steps, columns, dtype)

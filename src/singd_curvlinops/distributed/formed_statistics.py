@@ -28,9 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from singd_curvlinops.bounds import peaks
+from singd_curvlinops.bounds import finite
 from singd_curvlinops.distributed.collectives import agree, rank
 from singd_curvlinops.distributed.gram_rows import statistics_on_owner
 from singd_curvlinops.layers import Layer
@@ -67,7 +66,7 @@ def take(
         taken[layer] = statistics
     if form and layers:
         guard = stepper.guard
-        ok = all_finite([t for s in formed for t in _tensors(s)], guard.device)
+        ok = finite([t for s in formed for t in _tensors(s)], guard.device)
         guard.require(agree(ok.reshape(1)).reshape(()))
     return taken
 
@@ -95,24 +94,8 @@ def agreed(
         combined, owners, probes, strict=True
     ):
         mine = [M for M, owner in ((H_K, owner_K), (H_C, owner_C)) if owner == me]
-        flags.append(
-            all_finite([t for M in mine for t in M.tensors()], H_K.device) & probe
-        )
+        flags.append(finite([t for M in mine for t in M.tensors()], H_K.device) & probe)
     return agree(torch.stack(flags)).tolist()
-
-
-def all_finite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """Return whether the tensors hold only finite numbers (no host read).
-
-    Args:
-        tensors: Floating-point tensors (empty ones pass).
-        device: The device of the result.
-
-    Returns:
-        A 0-d boolean tensor.
-    """
-    (peak,) = peaks([list(tensors)])  # (NaN or infinity if any entry is)
-    return torch.isfinite(peak).to(device)
 
 
 def _tensors(statistics: FactorStatistics) -> list:

@@ -3,8 +3,9 @@
 `spawn(job, world)` runs `job(results, out_dir)` on `world` fresh processes (one
 torch thread each) and returns every rank's results; a hang, crash or exception
 fails the calling test. Tensors travel through `torch.save` files. The training
-pieces (`Case`, `train`, `reference`) are shared by the workers and by the
-single-process references the tests compute in the parent.
+pieces (`Case`, `train`, `reference`, and `train_with_event` for the step
+guard's tests) are shared by the workers and by the single-process references
+the tests compute in the parent.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -173,6 +175,65 @@ def reference(case: Case, steps: int = STEPS) -> list[Tensor]:
     """One process on the concatenated batch (call without a process group)."""
     single = replace(case, wrap="manual", distribute="replicate")
     return params(train(single, steps)[0])
+
+
+def step_recording_warnings(optimizer: Any) -> list[str]:
+    """Take `optimizer.step()`; return the messages of the warnings it gave."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        optimizer.step()
+    return [str(w.message) for w in record]
+
+
+def train_with_event(case: Case, event: str, world: int, rank: int) -> dict[str, Any]:
+    """Train STEPS steps on this rank's share, with an event for the step guard.
+
+    Events: `"inf"` (step 2: an infinite input, in rank 0's share), `"huge"`
+    (step 3: inputs and loss times 1e100, `lr` 1e-230), `"wide"` (step 3: inputs
+    times 1e150), `"lrblow"` (step 2: `lr` 1e308); any other name changes
+    nothing (`"trust"`: the case's `lr_cov` is the event). Without a process
+    group: one process on the whole batch, as the reference.
+
+    Returns:
+        The parameters, the warnings' messages, the skipped steps, the
+        discarded factor updates per layer, and per layer whether its `K` is
+        split by column blocks (empty without a sharded plan).
+    """
+    model = build_model(case.model)
+    if world > 1:
+        net = wrap(case, model)
+    else:
+        net, case = model, replace(case, distribute="replicate", wrap="manual")
+    optimizer = make_optimizer(case, net)
+    messages = []
+    for step in range(STEPS):
+        X, y = batch(step, case.model)
+        factor, lr = 1.0, case.options["lr"]
+        if step == 2 and event == "inf":
+            X = X.clone()
+            X[0, 0, 0, 0] = float("inf")
+        elif step == 3 and event == "huge":
+            X, factor, lr = X * 1e100, 1e100, 1e-230
+        elif step == 3 and event == "wide":
+            X = X * 1e150
+        elif step == 2 and event == "lrblow":
+            lr = 1e308
+        optimizer.param_groups[0]["lr"] = lr
+        share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        optimizer.zero_grad()
+        (F.cross_entropy(net(X[share]), y[share]) * factor).backward()
+        messages += step_recording_warnings(optimizer)
+    plan = getattr(optimizer.distribution, "plan", {})
+    return {
+        "params": params(model),
+        "messages": messages,
+        "skipped": optimizer.skipped_steps,
+        "discarded": [
+            optimizer.state[layer.weight].get("discarded_factor_updates", 0)
+            for layer in optimizer.layers
+        ],
+        "split": [plan[layer].columns for layer in optimizer.layers] if plan else [],
+    }
 
 
 # -------------------------------------------------------------- the processes

@@ -23,8 +23,6 @@ process on the whole batch, also where the guard acts:
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,76 +30,31 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.functional import cross_entropy
-from torch.nn.parallel import DistributedDataParallel
 
 import singd_curvlinops.update as update_module
 from tests.distributed.harness import (
-    BATCH,
     DENSE,
-    STEPS,
     TOLERANCE,
     Case,
-    batch,
-    build_model,
-    make_optimizer,
-    params,
     spawn,
+    train_with_event,
 )
 
 pytestmark = pytest.mark.slow
-# per scenario: options, and the step whose inputs are altered (with how)
+# per scenario: options, and the event (`harness.train_with_event`)
 SCENARIOS = {
-    "skip": ({}, 2, "inf"),
-    "trust": ({"lr_cov": 50.0}, None, None),
-    "overflow": ({}, 3, "huge"),
-    "formed": ({}, 3, "wide"),
+    "skip": ({}, "inf"),
+    "trust": ({"lr_cov": 50.0}, "trust"),
+    "overflow": ({}, "huge"),
+    "formed": ({}, "wide"),
 }
 
 
-def _inputs(X: Tensor, event: str | None) -> tuple[Tensor, float]:
-    """Return the step's inputs and the factor of its loss."""
-    if event == "inf":
-        X = X.clone()
-        X[0, 0, 0, 0] = float("inf")  # (example 0: rank 0's share)
-    if event == "wide":
-        return X * 1e150, 1.0
-    return (X * 1e100, 1e100) if event == "huge" else (X, 1.0)
-
-
 def _train(name: str, world: int, rank: int) -> dict[str, Any]:
-    """Train STEPS steps of a scenario on this rank's share; record the guard."""
-    options, event_step, event = SCENARIOS[name]
+    """Train a scenario on this rank's share (one process without a group)."""
+    options, event = SCENARIOS[name]
     case = Case({**DENSE, **options}, model="two", distribute="owned")
-    model = build_model("two")
-    if world > 1:
-        net = DistributedDataParallel(model)
-    else:
-        net, case = model, replace(case, distribute="replicate")
-    optimizer = make_optimizer(case, net)
-    messages = []
-    for step in range(STEPS):
-        X, y = batch(step, "two")
-        X, factor = _inputs(X, event if step == event_step else None)
-        optimizer.param_groups[0]["lr"] = DENSE["lr"] if factor == 1.0 else 1e-230
-        share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        optimizer.zero_grad()
-        (cross_entropy(net(X[share]), y[share]) * factor).backward()
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            optimizer.step()
-        messages += [str(w.message) for w in record]
-    plan = getattr(optimizer.distribution, "plan", {})
-    return {
-        "params": params(model),
-        "messages": messages,
-        "skipped": optimizer.skipped_steps,
-        "discarded": [
-            optimizer.state[layer.weight].get("discarded_factor_updates", 0)
-            for layer in optimizer.layers
-        ],
-        "split": [plan[layer].columns for layer in optimizer.layers] if plan else [],
-    }
+    return train_with_event(case, event, world, rank)
 
 
 def scenarios(results: dict[str, Any], out: Path) -> None:

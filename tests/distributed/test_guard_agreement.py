@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops import SINGD
 from singd_curvlinops.distributed import Shard
-from tests.distributed.harness import params, spawn
+from tests.distributed.harness import params, spawn, step_recording_warnings
 
 pytestmark = pytest.mark.slow
 BATCH, STEPS, BAD_FACTORS, BAD_LR = 8, 5, 4, 2  # steps with events (0-based)
@@ -63,10 +62,7 @@ def _train(distribute: Any, world: int, rank: int) -> dict[str, Any]:
         opt.zero_grad()
         scale = 1e3 if step == BAD_LR else 1.0  # lr * Δ ~ 1e38 * 1e2: overflows
         (mse_loss(net(X[share]), Y[share]) * scale).backward()
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            opt.step()
-        messages += [str(w.message) for w in record]
+        messages += step_recording_warnings(opt)
     return {
         "params": params(model),
         "messages": messages,
@@ -95,13 +91,11 @@ def _fsdp(results: dict[str, Any]) -> None:
     opt.param_groups[0]["lr"] = 1e38  # rank 0's rows overflow, rank 1's do not
     opt.zero_grad()
     mse_loss(model(X), Y).backward()
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        opt.step()
+    messages = step_recording_warnings(opt)
     results["fsdp/unchanged"] = all(
         torch.equal(a, b) for a, b in zip(before, params(model), strict=True)
     )
-    results["fsdp/messages"] = [str(w.message) for w in record]
+    results["fsdp/messages"] = messages
     results["fsdp/skipped"] = opt.skipped_steps
 
 
@@ -117,14 +111,12 @@ def _owner_overflow(distribute: Any, world: int, rank: int) -> dict[str, Any]:
     share = slice(rank * 8 // world, (rank + 1) * 8 // world)
     before = params(model)
     mse_loss(net(X[share]), Y[share]).backward()
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        opt.step()
+    messages = step_recording_warnings(opt)
     after = params(model)
     changed = [not torch.equal(a, b) for a, b in zip(before, after, strict=True)]
     return {
         "params": params(model),
-        "messages": [str(w.message) for w in record],
+        "messages": messages,
         "changed": changed,
         "per_layer": [
             opt.state[layer.weight].get("discarded_factor_updates", 0)

@@ -15,28 +15,19 @@ skipped; this is its sample in CI.)
 from __future__ import annotations
 
 import itertools
-import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch.nn.functional import cross_entropy
 
 from tests.distributed.harness import (
-    BATCH,
     KFAC_OPTIONS,
     SPARSE,
-    STEPS,
     TOLERANCE,
     Case,
-    batch,
-    build_model,
-    make_optimizer,
-    params,
     spawn,
-    wrap,
+    train_with_event,
 )
 
 pytestmark = pytest.mark.slow
@@ -72,45 +63,11 @@ def _cases() -> dict[str, tuple[Case, str]]:
 CASES = _cases()
 
 
-def _train(case: Case, event: str, world: int, rank: int) -> dict[str, Any]:
-    """Train STEPS steps on this rank's share with the event; record the guard."""
-    model = build_model(case.model)
-    if world > 1:
-        net = wrap(case, model)
-    else:
-        net, case = model, replace(case, distribute="replicate", wrap="manual")
-    optimizer = make_optimizer(case, net)
-    messages = []
-    for step in range(STEPS):
-        X, y = batch(step, case.model)
-        factor, lr = 1.0, case.options["lr"]
-        if step == 2 and event == "inf":
-            X = X.clone()
-            X[0, 0, 0, 0] = float("inf")  # (rank 0's share)
-        elif step == 3 and event == "huge":
-            X, factor, lr = X * 1e100, 1e100, 1e-230
-        elif step == 2 and event == "lrblow":
-            lr = 1e308
-        optimizer.param_groups[0]["lr"] = lr
-        share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        optimizer.zero_grad()
-        (cross_entropy(net(X[share]), y[share]) * factor).backward()
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            optimizer.step()
-        messages += [str(w.message) for w in record]
-    return {
-        "params": params(model),
-        "messages": messages,
-        "counts": (optimizer.skipped_steps, optimizer.discarded_factor_updates),
-    }
-
-
 def events(results: dict[str, Any], out: Path) -> None:
     """The job of every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, (case, event) in CASES.items():
-        results[name] = _train(case, event, world, rank)
+        results[name] = train_with_event(case, event, world, rank)
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +81,12 @@ def test_ranks_take_the_guarded_steps_of_one_process(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
     case, event = CASES[name]
-    single = _train(case, event, 1, 0)
+    single = train_with_event(case, event, 1, 0)
     if event != "trust":  # (the trust region limits steps without a warning)
         assert single["messages"]  # the event made the guard act
     for result in ranks:
-        assert result[name]["counts"] == single["counts"]
+        assert result[name]["skipped"] == single["skipped"]
+        assert result[name]["discarded"] == single["discarded"]
         assert result[name]["messages"] == single["messages"]
         for mine, reference in zip(
             result[name]["params"], single["params"], strict=True

@@ -161,6 +161,25 @@ def layer_steps(
     )
 
 
+def unscale_(grad: Tensor, grad_scale: Tensor) -> Tensor:
+    """Divide a gradient by a `GradScaler`'s scale in place, in float32 or wider.
+
+    The division runs in the wider of the gradient's dtype and float32 and is
+    rounded once into the gradient's dtype: the scale itself need not fit the
+    gradient's dtype (the scaler's default `2**16` overflows float16 to `inf`,
+    which would silently turn every gradient into zeros).
+
+    Args:
+        grad: The scaled gradient (overwritten).
+        grad_scale: The scale, a one-element tensor.
+
+    Returns:
+        `grad`, unscaled.
+    """
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    return grad.div_(grad_scale.to(device=grad.device, dtype=wide))
+
+
 def step_fallback(
     params: Iterable[tuple[Parameter, Mapping[str, Any]]],
     state: Mapping[Parameter, dict[str, Any]],
@@ -182,7 +201,7 @@ def step_fallback(
         rule = FALLBACK_RULES[group["fallback"]]
         grad = param.grad
         if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.dtype)
+            grad = unscale_(grad.clone(), grad_scale)
         param_state = state[param]
         if any(key not in param_state for key in rule.state_keys):
             param_state.update(rule.init_state(param))  # the fallback changed

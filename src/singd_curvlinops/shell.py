@@ -44,6 +44,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.distributed import gram_rows
+from singd_curvlinops.grad_scaling import GradScaling
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.guarded import GuardedSteps
 from singd_curvlinops.layers import Layer, supported_layers
@@ -56,7 +57,7 @@ from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
 
 
 class KroneckerOptimizer(
-    Registration, CopiesWithModel, Lifecycle, GuardedSteps, Optimizer
+    Registration, CopiesWithModel, Lifecycle, GuardedSteps, GradScaling, Optimizer
 ):
     """Kronecker-factored preconditioning of a model's layers (the shared shell).
 
@@ -82,18 +83,6 @@ class KroneckerOptimizer(
             positive, `distribute` names no strategy, or the model (or
             `params`) has no supported layer.
     """
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        """Whether `step` unscales gradients and statistics itself (for `GradScaler`).
-
-        True, so that a `GradScaler` hands over scaled gradients and their scale;
-        False while `step` runs a closure that no `GradScaler` drives, so that a
-        framework that clips gradients inside the closure (Lightning with
-        `precision="bf16-mixed"`, which has no scaler) sees an optimizer whose
-        gradients it may clip.
-        """
-        return not self.__dict__.get("_closure_without_scaler", False)
 
     def __init__(
         self,
@@ -269,18 +258,6 @@ class KroneckerOptimizer(
         self._collector.hand_over(factors, self._layers.active(self.param_groups))
 
     # -------------------------------------------------------------------- step
-    def set_current_grad_scale(self, grad_scale: float) -> None:
-        """Tell the optimizer the gradient scale of the current backward pass.
-
-        Needed only with a `GradScaler` whose `unscale_` is called before `step`
-        (e.g. for gradient clipping): the gradients are then unscaled, but the
-        statistics collected during the backward pass still carry the scale.
-
-        Args:
-            grad_scale: `scaler.get_scale()` of the current step.
-        """
-        self._current_grad_scale = float(grad_scale)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Update factors (every `T` steps) and parameters.
@@ -318,11 +295,7 @@ class KroneckerOptimizer(
         step_options = self._options.step_options(layers, self.state, self.param_groups)
         fallback = list(self._fallback_params(self.param_groups))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
-        current_scale = (
-            float(grad_scale)
-            if grad_scale is not None
-            else self.__dict__.pop("_current_grad_scale", None)
-        )
+        current_scale = self._current_scale(grad_scale)
         keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
         self._distribution.exchange(
             self._collector.pending,

@@ -227,7 +227,7 @@ class LayerStepper:
             return params[0].new_zeros(0, layer.dims[0])  # an empty row shard
         grad = layer.gradient_matrix(params, grads)
         if grad is not None and self._grad_scale is not None:
-            grad.div_(self._grad_scale.to(grad.dtype))
+            parameter_update.unscale_(grad, self._grad_scale)
         return grad
 
     def apply(self, layer: Layer, direction: Tensor) -> None:

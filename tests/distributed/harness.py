@@ -139,7 +139,8 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
             with (
                 nullcontext() if last or case.wrap.startswith("fsdp") else net.no_sync()
             ):
-                (F.cross_entropy(net(X_micro), y_micro) / len(micro)).backward()
+                share = len(X_micro) / len(X)  # the mean, micro-batches of any size
+                (F.cross_entropy(net(X_micro), y_micro) * share).backward()
     else:
         F.cross_entropy(net(X), y).backward()
         if case.wrap == "manual" and world > 1:

@@ -111,8 +111,8 @@ def use_rows(
     g = site.adapter.use_gradient_rows(
         site.module, use, grad_output, kfac_approx, loss_average
     )
+    if grad_scale != 1.0:  # before the cast: scaled rows may overflow dtypes[1]
+        g = g.to(torch.promote_types(g.dtype, dtypes[1])) / grad_scale
     g = layer_gradient_rows(g.to(dtypes[1]), use, layer, site)
-    if grad_scale != 1.0:
-        g = g / grad_scale
     a = layer_input_rows(site, use, g.shape[0], kfac_approx, dtypes[0], g.device)
     return a, g

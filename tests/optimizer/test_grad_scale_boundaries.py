@@ -1,0 +1,155 @@
+"""Gradient scales that reach past a dtype, or outlive their scaler.
+
+- float16 parameters under `GradScaler`'s default scale `2**16`, which float16
+  cannot hold: the gradients are unscaled in float32 arithmetic, so the run is
+  the same as at `2**15` (scales are powers of two: exact) and it trains.
+- float16 factors under a scaler: the output gradients are unscaled before they
+  are cast to the factors' dtype, so no scaled row overflows and no step is
+  skipped; the run equals the unscaled one.
+- A run that continues without its scaler (AMP switched off, or resumed in full
+  precision) takes its statistics as unscaled: it continues exactly as a run
+  that never had a scaler.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from singd_curvlinops import EKFAC, KFAC, SINGD
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+OPTIMIZERS = {"SINGD": SINGD, "KFAC": KFAC, "EKFAC": EKFAC}
+
+
+def _data(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    X = torch.randn(32, 6, generator=generator)
+    return X.to(dtype), torch.randint(0, 3, (32,), generator=generator)
+
+
+def _model(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def _scaled_run(
+    cls: type, init_scale: float, steps: int = 5
+) -> tuple[list[Tensor], list[float], int]:
+    """float16 model, float32 factors, one `GradScaler` at `init_scale`."""
+    model = _model(torch.float16)
+    optimizer = cls(
+        model, lr=0.05, T=1, preconditioner_dtype=(torch.float32, torch.float32)
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=100)
+    X, y = _data(torch.float16)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(X).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, losses, optimizer.skipped_steps
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float16_parameters_train_under_the_default_scale(name: str) -> None:
+    assert torch.tensor(2.0**16, dtype=torch.float16).isinf()
+    default, losses, skipped = _scaled_run(OPTIMIZERS[name], 2.0**16)
+    lower, _, _ = _scaled_run(OPTIMIZERS[name], 2.0**15)
+    assert skipped == 0
+    assert losses[-1] < 0.95 * losses[0], losses
+    for p, q in zip(default, lower, strict=True):
+        assert torch.equal(p, q)
+
+
+def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]:
+    """float32 model, float16 factors, a sum loss (large scaled rows)."""
+    model = _model(torch.float32)
+    optimizer = SINGD(
+        model,
+        lr=0.01,
+        lr_cov=0.1,
+        T=1,
+        loss_average=None,
+        preconditioner_dtype=(torch.float16, torch.float16),
+        init_grad_scale=scaler.get_scale() if scaler is not None else 1.0,
+    )
+    X, _ = _data(torch.float32)
+    Y = torch.tanh(X[:, :3])
+    trajectory = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(X), Y, reduction="sum")
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    return trajectory, optimizer.skipped_steps
+
+
+def test_float16_factors_take_unscaled_rows_under_a_scaler() -> None:
+    reference, skipped = _float16_factor_run(None)
+    scaled, scaled_skipped = _float16_factor_run(
+        torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    )
+    assert skipped == scaled_skipped == 0
+    assert not torch.equal(reference[0][0], reference[-1][0])
+    for step, (ref, got) in enumerate(zip(reference, scaled, strict=True)):
+        for p, q in zip(ref, got, strict=True):
+            torch.testing.assert_close(
+                q, p, rtol=1e-5, atol=1e-7, msg=lambda m, s=step: f"step {s}: {m}"
+            )
+
+
+def _step(model, optimizer, X, y, scaler=None) -> None:
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(X), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("resumed", [False, True], ids=["live", "resumed"])
+def test_a_run_that_drops_its_scaler_continues_unscaled(name: str, resumed) -> None:
+    """float64: scaling by powers of two is exact, so the runs agree bit for bit."""
+    cls = OPTIMIZERS[name]
+    X, y = _data(torch.float64)
+    model = _model(torch.float64)
+    optimizer = cls(model, lr=0.05, T=2)
+    for _ in range(6):
+        _step(model, optimizer, X, y)
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    model = _model(torch.float64)
+    optimizer = cls(model, lr=0.05, T=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1)
+    for _ in range(3):
+        _step(model, optimizer, X, y, scaler)
+    if resumed:
+        saved = optimizer.state_dict()
+        optimizer = cls(model, lr=0.05, T=2)
+        optimizer.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no skipped step, no missing statistics
+        for _ in range(3):
+            _step(model, optimizer, X, y)
+    scales = {entry.get("grad_scale") for entry in optimizer.state.values()}
+    assert scales - {None} == {1.0}
+    for p, q in zip(model.parameters(), reference, strict=True):
+        assert torch.equal(p.detach(), q)

@@ -53,7 +53,12 @@ from singd_curvlinops.lifecycle import Lifecycle
 from singd_curvlinops.option_guard import OptionGuard
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.stepping import LayerStepper, PreconditionerCache, is_due
+from singd_curvlinops.stepping import (
+    LayerStepper,
+    PreconditionerCache,
+    has_gradient,
+    is_due,
+)
 
 
 class KroneckerOptimizer(
@@ -202,10 +207,10 @@ class KroneckerOptimizer(
                 `Shard(factors="owned")`, which does not support it.
         """
         self._options.check(self.param_groups, (layer.group_index,))
-        if not self._due(layer):
-            return None
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
+        if not is_due(state, group):  # (its gradient arrives after this pass)
+            return None
         project = self._distribution.projection(layer)
         transposed = None
         if project is None:  # the rule's, with the current factors if it reads them
@@ -363,9 +368,11 @@ class KroneckerOptimizer(
             layer: The layer.
 
         Returns:
-            Whether its step counter is a multiple of its group's `T`.
+            Whether it has a gradient (`stepping.has_gradient`) and its step
+            counter is a multiple of its group's `T`.
         """
-        return is_due(self.state[layer.weight], self.param_groups[layer.group_index])
+        group = self.param_groups[layer.group_index]
+        return has_gradient(layer) and is_due(self.state[layer.weight], group)
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -51,6 +51,23 @@ def is_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
     return state["step"] % group["T"] == 0
 
 
+def has_gradient(layer: Layer) -> bool:
+    """Return whether a layer takes part in this step (a parameter has a gradient).
+
+    A layer without one (unused in the step's forward passes, say, in multi-task
+    training) is left out of the step as `torch.optim` leaves out such a
+    parameter: no factor update, no parameter step, and its step counter does
+    not advance, so that its factors update every `T`-th step it takes part in.
+
+    Args:
+        layer: The layer.
+
+    Returns:
+        Whether any of its parameters has a gradient.
+    """
+    return any(p.grad is not None for p in layer.params)
+
+
 class LayerStepper:
     """The shell's per-layer operations within one step.
 
@@ -114,9 +131,12 @@ class LayerStepper:
             layer: The layer.
 
         Returns:
-            Whether its step counter is a multiple of its group's `T`.
+            Whether it has a gradient and its step counter is a multiple of its
+            group's `T`.
         """
-        return is_due(self.state[layer.weight], self.group(layer))
+        return has_gradient(layer) and is_due(
+            self.state[layer.weight], self.group(layer)
+        )
 
     def _statistics_scale(self, layer: Layer) -> float:
         """Return the scale of the output gradients in this step's statistics.
@@ -209,7 +229,7 @@ class LayerStepper:
         if not due:
             self._collector.discard(layer)
         state = self.state[layer.weight]
-        state["step"] += 1
+        state["step"] += has_gradient(layer)
         state["grad_scale"] = self._statistics_scale(layer)
 
     def gradient(self, layer: Layer) -> Tensor | None:

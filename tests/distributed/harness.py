@@ -93,6 +93,45 @@ def build_model(name: str) -> nn.Sequential:
     return nn.Sequential(conv, nn.ReLU(), nn.Flatten(), *tail).double()
 
 
+class TwoHeads(nn.Module):
+    """A shared body and two heads used in turn: a layer has no gradient in a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 6)
+        self.heads = nn.ModuleList([nn.Linear(6, 3), nn.Linear(6, 3)])
+
+    def forward(self, X: Tensor, head: int) -> Tensor:
+        return self.heads[head](torch.tanh(self.body(X)))
+
+
+def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
+    """Train `TwoHeads` (T = 2) with the heads in turn; one process: the whole batch.
+
+    Under DDP (`find_unused_parameters`) the resting head has no gradient on any
+    rank, so it sits the step out on every rank alike.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = TwoHeads().double()
+    net = (
+        DistributedDataParallel(model, find_unused_parameters=True)
+        if world > 1
+        else model
+    )
+    optimizer = SINGD(net, distribute=strategy(distribute), **{**DENSE, "T": 2})
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        X = torch.randn(BATCH, 8, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 3, (BATCH,), generator=generator)
+        local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        optimizer.zero_grad()
+        F.cross_entropy(net(X[local], step % 2), y[local]).backward()
+        optimizer.step()
+    return params(model)
+
+
 def batch(step: int, model: str) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(step)
     X = torch.randn(BATCH, 2, 8, 8, generator=generator, dtype=torch.float64)

@@ -41,6 +41,7 @@ from tests.distributed.harness import (
     make_optimizer,
     params,
     train,
+    train_heads,
     train_step,
     wrap,
 )
@@ -135,6 +136,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     ):
         _cross(results, out, saved, loaded)
     _bytes(results)
+    for distribute in ("replicate", "shard", "owned", "factors"):
+        results[f"heads/{distribute}"] = train_heads(distribute)
     for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
         case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
         results[f"bfloat16/{distribute}"] = params(train(case)[0])

@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
-from tests.distributed.harness import DENSE, TOLERANCE, Case, reference, spawn
+from tests.distributed.harness import (
+    DENSE,
+    TOLERANCE,
+    Case,
+    reference,
+    spawn,
+    train_heads,
+)
 from tests.distributed.jobs import CASES_W2, CASES_W3
 
 pytestmark = pytest.mark.slow
@@ -75,6 +82,14 @@ def test_three_ranks_equal_one_process(w3: list[dict[str, Any]], name: str) -> N
     expected = reference(CASES_W3[name])
     for result in w3:
         _assert_close(result[f"params/{name}"], expected)
+
+
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned", "factors"])
+def test_layers_without_gradients_sit_out_alike(w2: list[dict], distribute) -> None:
+    """Heads used in turn (T = 2): every rank leaves the resting head out alike."""
+    expected = train_heads("replicate")
+    for result in w2:
+        _assert_close(result[f"heads/{distribute}"], expected)
 
 
 def test_shard_equals_replicate_and_moves_the_parameters(w2: list[dict]) -> None:

@@ -7,6 +7,8 @@ statistics are those of the weight alone, curvlinops' factors of the weight
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from curvlinops import KFACLinearOperator
@@ -101,3 +103,54 @@ def test_parameter_frozen_after_construction_is_not_touched() -> None:
     nn.functional.cross_entropy(model(X), y).backward()
     optimizer.step()
     assert torch.equal(model[2].bias, bias)  # no momentum, no weight decay
+
+
+class _TwoHeads(nn.Module):
+    """A shared body and two heads, one used per step (multi-task training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.h1, self.h2 = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, X: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        return head(torch.tanh(self.body(X)))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_layer_without_gradient_sits_the_step_out(name) -> None:
+    """Its counter stays, so it updates its factors every `T`-th step it takes part in.
+
+    Heads alternate and `T = 2`: before, a head's counter advanced in every step,
+    so the head that is due only on the steps it sits out never updated its
+    factors.
+    """
+    cls, extra = OPTIMIZERS[name]
+    model = _TwoHeads().double()
+    optimizer = cls(model, **{**COMMON, "T": 2, **extra})
+    factor = "K.mat" if cls is SINGD else "A.mat"
+    generator = torch.Generator().manual_seed(3)
+    uses = {model.h1: 0, model.h2: 0}
+    for step in range(12):
+        head = model.h1 if step % 2 == 0 else model.h2
+        other = model.h2 if head is model.h1 else model.h1
+        X = torch.randn(8, 3, dtype=torch.float64, generator=generator)
+        y = torch.randint(0, 2, (8,), generator=generator)
+        before = {h: optimizer.state[h.weight][factor].clone() for h in uses}
+        resting = [p.detach().clone() for p in other.parameters()]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X, head), y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every due layer has its statistics
+            optimizer.step()
+        due = uses[head] % 2 == 0
+        uses[head] += 1
+        changed = not torch.equal(before[head], optimizer.state[head.weight][factor])
+        assert changed == due, (step, due)
+        assert torch.equal(before[other], optimizer.state[other.weight][factor])
+        assert all(
+            torch.equal(p, q) for p, q in zip(other.parameters(), resting, strict=True)
+        )
+        assert optimizer.state[other.weight]["step"] == uses[other]
+        assert optimizer.state[head.weight]["step"] == uses[head]
+    assert optimizer.state[model.body.weight]["step"] == 12

@@ -8,7 +8,10 @@ group that holds fallback parameters needs a `fallback` rule). `load_state_dict`
 runs it on every saved group (`checkpoint_validation`); `OptionGuard` runs it on
 the live groups when a step or a statistics hook reads them, so that an option
 edited after construction (`optimizer.param_groups[0]["T"] = 0`) raises a clear
-error before anything changes instead of failing inside the step.
+error before anything changes instead of failing inside the step. The options
+that built the layers' factors (`FIXED_OPTIONS`: structures, their budget and
+dtypes) may not change after their first check: an edit raises instead of being
+ignored (structures) or failing inside a hook (dtypes).
 
 The guard re-checks a group only when its options changed since its last check:
 it keeps a snapshot (the group object, its keys and values) per group, and
@@ -73,6 +76,10 @@ def check_options(
     return options
 
 
+# the options that decide a layer's factors when the optimizer is built
+FIXED_OPTIONS = ("structures", "max_dense_dim", "preconditioner_dtype")
+
+
 class OptionGuard:
     """Checks the live parameter groups' options when the optimizer reads them.
 
@@ -110,6 +117,7 @@ class OptionGuard:
                 where=f"param_groups[{index}]",
                 holds_fallback=holds_fallback,
             )
+            self._check_fixed(index, group, options)
             for key, value in options.items():
                 if key in group and group[key] is not value:
                     group[key] = value
@@ -118,6 +126,33 @@ class OptionGuard:
     def forget(self) -> None:
         """Forget every snapshot (after `load_state_dict` replaced the groups)."""
         self._checked.clear()
+
+    def _check_fixed(
+        self, index: int, group: dict[str, Any], options: Mapping[str, Any]
+    ) -> None:
+        """Raise if an option that built the group's layers changed since its check.
+
+        Args:
+            index: The group's position.
+            group: The group.
+            options: Its checked, normalised options.
+
+        Raises:
+            ValueError: Naming the option, its old and its new value.
+        """
+        seen = self._checked.get(index)
+        if seen is None or seen[0] is not group:
+            return
+        before = dict(zip(seen[1], seen[2], strict=True))
+        for key in FIXED_OPTIONS:
+            if key in before and key in options and options[key] != before[key]:
+                raise ValueError(
+                    f"param_groups[{index}]: {key} is fixed when the optimizer is "
+                    f"built (its layers' factors have their structures and dtypes); "
+                    f"it was {before[key]!r}, now {options[key]!r}. Set it back, or "
+                    "build a new optimizer (a checkpoint loads into one built with "
+                    "other preconditioner_dtype; its factors are cast)."
+                )
 
     def _unchanged(self, index: int, group: dict[str, Any]) -> bool:
         """Return whether a group has the keys and values of its last check.

@@ -98,6 +98,7 @@ class Registration:
         owned = [p for layer in layers for p in layer.params]
         weights = [layer.weight for layer in layers]
         init_counters(self.state, owned + list(unowned), weights)
+        self._options.check(self.param_groups, indices)  # the options they built
 
     def _init_all_states(self) -> None:
         """Give every layer and fallback parameter its initial state (a fresh start)."""

@@ -45,6 +45,7 @@ from singd_curvlinops._hyperparameters import check_positive
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.rules.fallback import FALLBACK_RULES
+from singd_curvlinops.structure_policy import resolve_structures
 
 #: Counters that other features may keep per parameter (allowed, not required).
 OPTIONAL_COUNTERS = ("skipped_steps", "discarded_factor_updates")
@@ -149,6 +150,7 @@ def check_layer_entry(
             a `TypeError` for entries of the wrong type.
     """
     owner = f"layer {layer.name!r}"
+    _check_structures(where, owner, layer, group)
     options = layer.options(group)
     dtypes = layer.factor_dtypes(options)
     initial = rule.init_state(options, layer.dims, dtypes, "meta")
@@ -362,3 +364,30 @@ def _check_optional_counters(entry: Mapping[str, Any], where: str, owner: str) -
     for key in OPTIONAL_COUNTERS:
         if key in entry:
             check_counter(entry[key], _at(where, key, owner))
+
+
+def _check_structures(
+    where: str, owner: str, layer: Layer, group: Mapping[str, Any]
+) -> None:
+    """Raise unless the saved group gives the layer the structures it was built with.
+
+    Structures that store the same tensors (`triltoeplitz` and `triutoeplitz`,
+    say) would otherwise load, read as other matrices.
+
+    Args:
+        where: The entry's path.
+        owner: The layer, for messages.
+        layer: The layer.
+        group: Its saved group (checked).
+
+    Raises:
+        ValueError: Naming both structures.
+    """
+    saved = resolve_structures(layer.name, layer.dims, group, layer.diagonal_sides)
+    if saved != tuple(layer.structures):
+        raise ValueError(
+            f"{where} ({owner}): the saved group gives the layer structures "
+            f"{saved}, this optimizer built it with {tuple(layer.structures)}. A "
+            "layer's structures are fixed when the optimizer is built: build it with "
+            "the checkpoint's structures (and max_dense_dim) to load this state."
+        )

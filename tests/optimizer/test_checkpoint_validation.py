@@ -202,6 +202,26 @@ def test_corrupted_state_dict_raises_and_changes_nothing(
     assert all_finite(model, optimizer)
 
 
+@pytest.mark.parametrize(
+    ("saved", "built"),
+    [
+        ("triltoeplitz", "triutoeplitz"),
+        ("triltopleftdiag", "triutopleftdiag"),
+        ("trilbottomrightdiag", "triubottomrightdiag"),
+    ],
+)
+def test_structures_that_store_alike_do_not_load_as_each_other(saved, built) -> None:
+    """Their tensors have the same names and shapes: the saved structures decide."""
+    _, _, state = _trained(structures=(saved, "dense"))
+    model, optimizer, _ = _trained(structures=(built, "dense"))
+    before = snapshot(model, optimizer)
+    pattern = rf"gives the layer structures \('{saved}', 'dense'\), this optimizer"
+    with pytest.raises(ValueError, match=pattern):
+        optimizer.load_state_dict(state)
+    assert_unchanged(model, optimizer, before)
+    assert optimizer.param_groups[0]["structures"] == (built, "dense")
+
+
 # --------------------------------------------------------------- other rules
 @pytest.mark.parametrize(
     ("cls", "edit", "pattern"),

@@ -52,6 +52,20 @@ class Site:
     bias_column: BiasColumn = "keep"
 
 
+def diagonal_sides(sites: Sequence[Site]) -> tuple[bool, bool]:
+    """Return which factors of a layer with these sites are exactly diagonal.
+
+    Args:
+        sites: The layer's sites.
+
+    Returns:
+        `(K, C)`: a one-hot slot makes its input side diagonal (the output side
+        for a transposed use).
+    """
+    one_hot = [s for s in sites if s.slot.one_hot]
+    return any(not s.transposed for s in one_hot), any(s.transposed for s in one_hot)
+
+
 @dataclass(frozen=True, eq=False)
 class Layer:
     r"""A layer that an optimizer preconditions (compared and hashed by identity).
@@ -93,6 +107,11 @@ class Layer:
     def weight(self) -> Parameter:
         """The first parameter: the key of the layer's state in `optimizer.state`."""
         return self.params[0]
+
+    @property
+    def diagonal_sides(self) -> tuple[bool, bool]:
+        """Which factors are exactly diagonal (one-hot inputs), `(K, C)`."""
+        return diagonal_sides(self.sites)
 
     def param_groups(self, groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Return the parameter group of each of `params`.

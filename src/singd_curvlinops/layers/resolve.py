@@ -30,7 +30,7 @@ from typing import Any
 from torch.nn import Module, Parameter
 
 from singd_curvlinops.layers.base import LayerAdapter, Slot
-from singd_curvlinops.layers.layer import BiasColumn, Layer, Site
+from singd_curvlinops.layers.layer import BiasColumn, Layer, Site, diagonal_sides
 from singd_curvlinops.layers.registry import adapter_for
 from singd_curvlinops.structure_policy import resolve_structures
 
@@ -234,10 +234,7 @@ def _weight_layer(
     d_in, d_out = first.adapter.slot_dims(first.module, first.slot)
     dims = (d_in + int(bias is not None), d_out)
     params = (weight,) if bias is None else (weight, bias)
-    diagonal = (
-        any(s.slot.one_hot and not s.transposed for s in sites),
-        any(s.slot.one_hot and s.transposed for s in sites),
-    )
+    diagonal = diagonal_sides(sites)
     structures = resolve_structures(first.name, dims, groups[batch[weight]], diagonal)
     layer = Layer(
         name=first.name,

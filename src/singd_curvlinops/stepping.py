@@ -345,6 +345,9 @@ class LayerStepper:
 class PreconditionerCache:
     """An optimizer's preconditioners, per layer and sides, until factors change.
 
+    A record is also rebuilt when an option that it read changed since it was
+    built (`FactorRule.preconditioner_options`).
+
     A record caches products only for the sides this rank applies
     (`FactorRule.splits_sides`); the statistics hooks ask for none, the step of a
     whole layer for both. Rules that cannot split build one record per layer.
@@ -357,7 +360,8 @@ class PreconditionerCache:
 
     def __init__(self, optimizer: Any) -> None:
         self._optimizer = weakref.ref(optimizer)
-        self._records: dict[Layer, dict[tuple[int, ...], Preconditioner]] = {}
+        # per layer and sides: the options the record read, and the record
+        self._records: dict[Layer, dict[tuple[int, ...], tuple[tuple, Any]]] = {}
 
     def __call__(self, layer: Layer, sides: tuple[int, ...]) -> Preconditioner:
         """Return a layer's record with products cached for `sides`.
@@ -370,18 +374,19 @@ class PreconditionerCache:
             The rule's record (cached).
         """
         optimizer = self._optimizer()
-        splits = optimizer.rule.splits_sides
-        sides = sides if splits else (0, 1)
+        rule = optimizer.rule
+        sides = sides if rule.splits_sides else (0, 1)
+        options = layer.options(optimizer.param_groups[layer.group_index])
+        read = tuple(options[name] for name in rule.preconditioner_options)
         records = self._records.setdefault(layer, {})
-        if sides not in records:
+        if sides not in records or records[sides][0] != read:
             optimizer.distribution.check_holds(layer)
-            kwargs = {"sides": sides} if splits else {}
-            records[sides] = optimizer.rule.preconditioner(
-                optimizer.state[layer.weight],
-                layer.options(optimizer.param_groups[layer.group_index]),
-                **kwargs,
+            kwargs = {"sides": sides} if rule.splits_sides else {}
+            record = rule.preconditioner(
+                optimizer.state[layer.weight], options, **kwargs
             )
-        return records[sides]
+            records[sides] = (read, record)
+        return records[sides][1]
 
     def forget(self, layer: Layer, sides: tuple[int, ...] = (0, 1)) -> None:
         """Drop a layer's records that cache a product of a changed side.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from curvlinops import FisherType, KFACInverseLinearOperator, KFACLinearOperator
 from torch import nn
 
-from singd_curvlinops import KFAC, SINGDLinearOperator
+from singd_curvlinops import EKFAC, KFAC, SINGD, SINGDLinearOperator
 
 DAMPING, LR = 0.1, 0.5
 
@@ -146,3 +148,38 @@ def test_momentum_weight_decay_groups_and_checkpoint(tmp_path) -> None:
 def test_invalid_ema_decay(ema_decay: float) -> None:
     with pytest.raises(ValueError, match=r"ema_decay must be in \[0.0, 1.0\)"):
         KFAC(cnn(), ema_decay=ema_decay)
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "edit"),
+    [
+        (KFAC, {"T": 10}, {"damping": 10.0}),
+        (EKFAC, {"T": 10}, {"damping": 10.0}),
+        (SINGD, {"T": 1, "structures": ("dense", "dense")}, {"T": 4}),
+    ],
+    ids=["KFAC-damping", "EKFAC-damping", "SINGD-T"],
+)
+def test_an_edited_option_reaches_the_cached_preconditioner(cls, options, edit) -> None:
+    """The edit takes effect at the next step, as after loading a checkpoint.
+
+    Before, KFAC kept its damped inverses of the old `damping` until its next
+    factor update, while a resumed optimizer built them with the new one.
+    """
+    X, y = batch()
+    torch.manual_seed(0)
+    live_model = cnn().double()
+    live = cls(live_model, lr=0.1, **options)
+    nn.functional.cross_entropy(live_model(X), y).backward()
+    live.step()
+    resumed_model = copy.deepcopy(live_model)
+    resumed = cls(resumed_model, lr=0.1, **options)
+    resumed.load_state_dict(copy.deepcopy(live.state_dict()))
+    for optimizer in (live, resumed):
+        optimizer.param_groups[0].update(edit)
+    for model, optimizer in ((live_model, live), (resumed_model, resumed)):
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            optimizer.step()
+    for p, q in zip(live_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -145,6 +145,10 @@ class FactorRule(ABC):
             (`FactorStatistics.examples`); `project` must then leave `a` intact.
         discard_hint: The likely cause of a factor update that is not finite,
             and its remedy, for the optimizer's warning (`guard`).
+        preconditioner_options: The group options that `preconditioner` reads
+            besides the factors (KFAC's `damping`): a cached record built with
+            other values is rebuilt, so that an edited option takes effect at
+            the next step, as after a checkpoint's load.
         checks_updates: Whether `update` checks its own result (SINGD): it then
             takes a keyword `accept` (a 0-d boolean that must also hold), keeps
             the previous entries of a side whose update is not finite, and
@@ -163,6 +167,7 @@ class FactorRule(ABC):
     owner_state: tuple[str, ...] = ()
     reads_preconditioner: bool = True
     per_example: bool = False
+    preconditioner_options: tuple[str, ...] = ()
 
     @property
     def side_names(self) -> tuple[str, str]:

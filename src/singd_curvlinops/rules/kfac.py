@@ -54,6 +54,7 @@ class KFACRule(FactorRule):
 
     factor_sides = (("A", 0), ("G", 1))
     reads_preconditioner = False  # statistics a^T a, g^T g; EMA of the factors
+    preconditioner_options = ("damping",)  # the inverses are of F + damping I
 
     def check_group(self, group: dict[str, Any]) -> None:
         """Validate KFAC's options; SINGD-only options are removed."""

@@ -65,6 +65,7 @@ class SINGDRule(FactorRule):
     factor_sides = (("K", 0), ("C", 1), ("m_K", 0), ("m_C", 1))
     splits_sides = True  # the sides couple only through scalar traces
     owner_state = ("m_K", "m_C")  # read by the factor's own update alone
+    preconditioner_options = ("T",)  # whether K Kᵀ, C Cᵀ are formed (rounding)
     _IDENTITY = ("K", "C")  # the momenta start at zero
 
     def label(self, group: dict[str, Any]) -> str:

@@ -217,8 +217,11 @@ class StatisticsCollector:
         before = self._before.pop(module, None)
         if not active:
             return None
-        adapter = active[0][0].site.adapter
-        uses, replacement = adapter.forward_uses(module, args, kwargs, output, before)
+        site = active[0][0].site
+        uses, replacement = site.adapter.forward_uses(
+            module, args, kwargs, output, before
+        )
+        uses = [use.batch_first(site.batch_dim) for use in uses]
         for use in uses:
             # the hook must not hold its own tensor: autograd keeps tensor hooks
             # in C++, where the garbage collector cannot see such a cycle (it

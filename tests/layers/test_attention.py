@@ -180,3 +180,51 @@ def test_transformer_encoder_trains_every_parameter() -> None:
     optimizer.step()
     for name, param in model.named_parameters():
         assert not torch.equal(param, before[name]), name
+
+
+class _Stack(nn.Module):
+    """An encoder and a decoder layer in either layout, one loss term per example."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        options = {"dim_feedforward": 7, "dropout": 0.0, "batch_first": batch_first}
+        self.batch_first = batch_first
+        self.encoder = nn.TransformerEncoderLayer(E, HEADS, **options)
+        self.decoder = nn.TransformerDecoderLayer(E, HEADS, **options)
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, L, E] always
+        x = x if self.batch_first else x.transpose(0, 1)
+        y = self.decoder(x, self.encoder(x))
+        y = y if self.batch_first else y.transpose(0, 1)
+        return self.head(y.mean(1))
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_sequence_first_transformer_layers_have_batch_first_factors(approx) -> None:
+    """The feed-forward `Linear`s of `batch_first=False` layers see `[L, B, E]`.
+
+    Before, their statistics took the sequence as the batch: with `"expand"` the
+    output-side factors were `L / B` times too large, with `"reduce"` both wrong.
+    """
+    X = torch.randn(B, L, E, dtype=torch.float64)
+    y = torch.randint(0, 2, (B,))
+    factors = []
+    for batch_first in (True, False):
+        model = _Stack(batch_first).double()
+        optimizer = KFAC(model, lr=0.0, T=1, kfac_approx=approx, fallback="sgd")
+        nn.functional.cross_entropy(model(X), y).backward()
+        optimizer.step()
+        factors.append(
+            {
+                layer.name: (state["A.mat"], state["G.mat"])
+                for layer in optimizer.layers
+                for state in [optimizer.state[layer.weight]]
+            }
+        )
+    assert {"encoder.linear1", "decoder.linear2"} <= set(factors[0])
+    assert factors[0].keys() == factors[1].keys()
+    for name, (A, G) in factors[0].items():
+        torch.testing.assert_close(factors[1][name][0], A, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(factors[1][name][1], G, rtol=1e-12, atol=1e-14)

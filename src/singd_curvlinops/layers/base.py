@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -83,6 +83,23 @@ class Use:
     output: Tensor | None
     out_rows: slice | None = None
     batch_dim: int = 0
+
+    def batch_first(self, batch_dim: int) -> Use:
+        """Return this use of inputs whose batch is at `batch_dim` (`Site.batch_dim`).
+
+        Args:
+            batch_dim: The batch dimension of the module's input and output.
+
+        Returns:
+            The use with the batch moved first in `x` and `batch_dim` set; itself
+            for `batch_dim=0` or an input without that dimension besides its
+            features.
+        """
+        if not batch_dim or not isinstance(self.x, Tensor):
+            return self
+        if self.x.dim() < batch_dim + 2:
+            return self
+        return replace(self, x=self.x.movedim(batch_dim, 0), batch_dim=batch_dim)
 
 
 class LayerAdapter(ABC):

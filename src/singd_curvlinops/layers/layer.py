@@ -42,6 +42,9 @@ class Site:
         transposed: Whether the slot applies the weight in the orientation opposite
             to the layer's (its statistics go to the layer's twin).
         bias_column: How its input rows end for the layer (see `BiasColumn`).
+        batch_dim: The batch dimension of the module's inputs and outputs where
+            its adapter expects it first (1: the feed-forward layers of a
+            sequence-first Transformer layer; `collector` moves it first).
     """
 
     name: str
@@ -50,6 +53,7 @@ class Site:
     slot: Slot
     transposed: bool = False
     bias_column: BiasColumn = "keep"
+    batch_dim: int = 0
 
 
 def diagonal_sides(sites: Sequence[Site]) -> tuple[bool, bool]:

@@ -27,10 +27,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.nn import Module, Parameter
+from torch.nn import (
+    Module,
+    Parameter,
+    TransformerDecoderLayer,
+    TransformerEncoderLayer,
+)
 
 from singd_curvlinops.layers.base import LayerAdapter, Slot
 from singd_curvlinops.layers.layer import BiasColumn, Layer, Site, diagonal_sides
+from singd_curvlinops.layers.linear import LinearAdapter
 from singd_curvlinops.layers.registry import adapter_for
 from singd_curvlinops.structure_policy import resolve_structures
 
@@ -44,12 +50,14 @@ class SiteCandidate:
         module: The module.
         adapter: Its adapter.
         slot: The slot.
+        batch_dim: The batch dimension of the module's inputs (`Site`).
     """
 
     name: str
     module: Module
     adapter: LayerAdapter
     slot: Slot
+    batch_dim: int = 0
 
     @property
     def params(self) -> tuple[Parameter, ...]:
@@ -69,6 +77,7 @@ def find_sites(model: Module) -> list[SiteCandidate]:
         The candidates.
     """
     found, claimed = [], set()
+    sequence_first = _sequence_first_linears(model)
     for name, module in model.named_modules():
         if id(module) in claimed:
             continue
@@ -76,10 +85,36 @@ def find_sites(model: Module) -> list[SiteCandidate]:
         if adapter is None:
             continue
         claimed.update(id(child) for child in adapter.submodules(module))
+        batch_dim = int(id(module) in sequence_first)
         for slot in adapter.slots(module):
             label = f"{name}.{slot.name}" if name and slot.name else name or slot.name
-            found.append(SiteCandidate(label, module, adapter, slot))
+            found.append(SiteCandidate(label, module, adapter, slot, batch_dim))
     return found
+
+
+def _sequence_first_linears(model: Module) -> set[int]:
+    r"""Return the ids of the feed-forward `Linear` layers that see `[S, N, d]` inputs.
+
+    A `TransformerEncoderLayer` or `TransformerDecoderLayer` with
+    `batch_first=False` (PyTorch's default) applies its `linear1`, `linear2` to
+    sequence-first tensors; the Linear statistics take dimension 0 as the batch,
+    so without this their \(\nu\) would count positions of the sequence as
+    examples (`"expand"`) or average over the batch (`"reduce"`).
+
+    Args:
+        model: The network.
+
+    Returns:
+        The ids of those modules, for `Site.batch_dim = 1`.
+    """
+    layers = (TransformerEncoderLayer, TransformerDecoderLayer)
+    return {
+        id(linear)
+        for parent in model.modules()
+        if isinstance(parent, layers) and not parent.self_attn.batch_first
+        for linear in (parent.linear1, parent.linear2)
+        if type(adapter_for(linear)) is LinearAdapter
+    }
 
 
 def resolve(
@@ -295,6 +330,7 @@ def _sites(
                 candidate.slot,
                 transposed,
                 column,
+                candidate.batch_dim,
             )
         )
     return tuple(sites)
@@ -320,7 +356,8 @@ def _bias_layer(
         The layer, `dims = (1, d_out)`.
     """
     sites = tuple(
-        Site(s.name, s.module, s.adapter, s.slot, False, "only") for s in bias_sites
+        Site(s.name, s.module, s.adapter, s.slot, False, "only", s.batch_dim)
+        for s in bias_sites
     )
     first, dims = bias_sites[0], (1, bias.shape[0])
     return Layer(

@@ -9,10 +9,11 @@ parameters (their rule's state), or raises before anything changes.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
-from torch.nn import Parameter
+from torch.nn import Embedding, EmbeddingBag, Module, Parameter
 
 from singd_curvlinops import parameter_update
 from singd_curvlinops._warnings import warn
@@ -84,6 +85,14 @@ class Registration:
         ]
         if refused:
             raise ValueError(unowned_message(refused, self._layers))
+        sparse = sparse_gradient_params(self._layers.model, unowned)
+        if sparse:
+            raise ValueError(
+                f"{', '.join(map(repr, sparse))}: sparse gradients "
+                "(nn.Embedding/EmbeddingBag with sparse=True); the fallback rules "
+                "'adamw' and 'sgd' need dense ones. Build the module with "
+                "sparse=False, or leave its parameters out of this optimizer."
+            )
         self._layers.keep(layers)
         self._registered = len(self.param_groups)
         for layer in layers:
@@ -130,3 +139,23 @@ class Registration:
         for param in layer.params:  # every parameter has state (as DCP expects);
             # a zero buffer makes the first momentum step the step itself
             self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+
+
+def sparse_gradient_params(model: Module, params: Collection[Parameter]) -> list[str]:
+    """Return the names of those of `params` that get sparse gradients.
+
+    Args:
+        model: The network.
+        params: Parameters that no layer owns.
+
+    Returns:
+        The names of the weights of `params`' sparse embeddings, in module order.
+    """
+    kinds = (Embedding, EmbeddingBag)
+    return [
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if isinstance(module, kinds)
+        and module.sparse
+        and any(module.weight is p for p in params)
+    ]

@@ -186,3 +186,25 @@ def test_grad_scaler_and_closure_equal_the_plain_run() -> None:
         scaler.update()
     for p, q in zip(model.parameters(), scaled_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [SINGD, KFAC])
+def test_sparse_embeddings_are_refused_when_registered(cls) -> None:
+    """Their gradients are sparse, which neither fallback rule takes.
+
+    Before, construction passed and every `step()` failed inside the finiteness
+    check with torch's `NotImplementedError` for sparse tensors.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2)
+    )
+    with pytest.raises(ValueError, match=r"'0\.weight': sparse gradients"):
+        cls(model)
+    optimizer = cls(model, model[2].parameters())
+    with pytest.raises(ValueError, match=r"'0\.weight': sparse gradients"):
+        optimizer.add_param_group({"params": list(model[0].parameters())})
+    assert len(optimizer.param_groups) == 1
+    X, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 2, (5,))
+    nn.functional.cross_entropy(model(X), y).backward()
+    optimizer.step()  # the rest trains

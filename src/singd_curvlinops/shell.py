@@ -296,6 +296,7 @@ class KroneckerOptimizer(
         if not self._has_gradients():  # nothing changes (see `lifecycle`)
             self._step_without_gradients()
             return loss
+        self._check_dormant()
         layers = self._layers.active(self.param_groups)
         step_options = self._options.step_options(layers, self.state, self.param_groups)
         fallback = list(self._fallback_params(self.param_groups))
@@ -347,6 +348,22 @@ class KroneckerOptimizer(
             self._collector.pending.clear()
             self._collector.restore_handed_over(handed_over)
         return loss
+
+    def _check_dormant(self) -> None:
+        """Raise if a parameter frozen at its registration has a gradient now.
+
+        Raises:
+            ValueError: Naming the parameters; nothing has changed.
+        """
+        woken = [p for p in self._layers.dormant if p.grad is not None]
+        if woken:
+            names = ", ".join(sorted(repr(self._layers.name(p)) for p in woken))
+            raise ValueError(
+                f"{names}: frozen (requires_grad=False) when {type(self).__name__} "
+                "registered them, so no layer preconditions them (a layer's factors "
+                "are sized at registration) and no fallback trains them; they have "
+                "gradients now. Build the optimizer after unfreezing them."
+            )
 
     def _fallback_params(
         self, groups: list[dict[str, Any]]

@@ -154,3 +154,38 @@ def test_a_layer_without_gradient_sits_the_step_out(name) -> None:
         assert optimizer.state[other.weight]["step"] == uses[other]
         assert optimizer.state[head.weight]["step"] == uses[head]
     assert optimizer.state[model.body.weight]["step"] == 12
+
+
+def test_frozen_layer_passed_explicitly_is_no_fallbacks() -> None:
+    """`SINGD(model, model.parameters())` with a frozen layer: no rule trains it.
+
+    Before, its parameters went to the AdamW fallback (with state), which trained
+    the layer unpreconditioned once it was unfrozen, without a word.
+    """
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].requires_grad_(False)
+    optimizer = SINGD(model, model.parameters(), fallback=None)  # not refused
+    optimizer = SINGD(model, model.parameters(), lr=0.1)
+    assert [layer.name for layer in optimizer.layers] == ["2"]
+    assert not optimizer.fallback_params
+    assert not optimizer.state[model[0].weight] and not optimizer.state[model[0].bias]
+    X = torch.randn(5, 3, dtype=torch.float64)
+    model(X).square().sum().backward()
+    optimizer.step()
+    model[0].requires_grad_(True)
+    frozen_before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    model(X).square().sum().backward()
+    with pytest.raises(ValueError, match=r"'0\.bias', '0\.weight': frozen"):
+        optimizer.step()
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(model.parameters(), frozen_before, strict=True)
+    )
+    # unfrozen and then registered, the layer is preconditioned
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].requires_grad_(False)
+    optimizer = SINGD(model, model[2].parameters())
+    model[0].requires_grad_(True)
+    optimizer.add_param_group({"params": list(model[0].parameters())})
+    assert [layer.name for layer in optimizer.layers] == ["2", "0"]

@@ -37,9 +37,9 @@ class LayerSet:
 
     def __init__(self, model: Module) -> None:
         self.model = model
-        trained = [
-            s for s in find_sites(model) if any(p.requires_grad for p in s.params)
-        ]
+        self._sites = find_sites(model)
+        trained = [s for s in self._sites if any(p.requires_grad for p in s.params)]
+        self.dormant: set[Parameter] = set()  # frozen slot parameters registered
         self.empty = [s for s in trained if any(not p.numel() for p in s.params)]
         self.candidates = [s for s in trained if s not in self.empty]
         self._names = {p: name for name, p in model.named_parameters()}
@@ -76,11 +76,21 @@ class LayerSet:
             groups: The optimizer's parameter groups.
 
         Returns:
-            The new layers, and the new parameters that no layer owns.
+            The new layers, and the new parameters that no layer owns (for the
+            fallback rule). A frozen parameter of a supported slot is neither: it
+            joins `dormant`, whose parameters no rule trains.
         """
-        layers = resolve(self.candidates, batch, groups, self._names)
+        sites = [
+            s
+            for s in self._sites
+            if s not in self.empty and any(p.requires_grad for p in s.params)
+        ]
+        layers = resolve(sites, batch, groups, self._names)
         owned = {p for layer in layers for p in layer.params}
-        return layers, [p for p in batch if p not in owned]
+        slots = {p for site in self._sites for p in site.params}
+        frozen = {p for p in batch if p in slots and not p.requires_grad}
+        self.dormant |= frozen
+        return layers, [p for p in batch if p not in owned and p not in frozen]
 
     def keep(self, layers: Sequence[Layer]) -> None:
         """Keep resolved layers.

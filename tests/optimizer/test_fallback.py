@@ -208,3 +208,29 @@ def test_sparse_embeddings_are_refused_when_registered(cls) -> None:
     X, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 2, (5,))
     nn.functional.cross_entropy(model(X), y).backward()
     optimizer.step()  # the rest trains
+
+
+@pytest.mark.parametrize("parametrize", ["weight_norm", "spectral_norm"])
+def test_parametrized_layers_go_to_the_fallback(parametrize) -> None:
+    """Their weight is computed from other parameters (before: a torch error).
+
+    `SINGD(model)` raised "can't optimize a non-leaf Tensor"; the parameters that
+    compute the weight are now the fallback's, and the model trains.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    getattr(nn.utils.parametrizations, parametrize)(model[0])
+    optimizer = SINGD(model, lr=0.05)
+    assert [layer.name for layer in optimizer.layers] == ["2"]
+    computing = set(model[0].parameters())
+    assert computing == set(optimizer.fallback_params)
+    X, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(X), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(optimizer.state[p]["step"] == 5 for p in computing)

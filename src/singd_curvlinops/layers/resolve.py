@@ -33,6 +33,7 @@ from torch.nn import (
     TransformerDecoderLayer,
     TransformerEncoderLayer,
 )
+from torch.nn.utils.parametrize import is_parametrized
 
 from singd_curvlinops.layers.base import LayerAdapter, Slot
 from singd_curvlinops.layers.layer import BiasColumn, Layer, Site, diagonal_sides
@@ -68,7 +69,10 @@ class SiteCandidate:
 def find_sites(model: Module) -> list[SiteCandidate]:
     """Return the slots of the model's supported modules, in module order.
 
-    Children that an adapter handles with their parent (`submodules`) are skipped.
+    Children that an adapter handles with their parent (`submodules`) are skipped,
+    and so are parametrized modules (`torch.nn.utils.parametrize`: `weight_norm`,
+    `spectral_norm`, ...), whose weight is computed from other parameters: those
+    go to the fallback rule.
 
     Args:
         model: The network.
@@ -82,8 +86,8 @@ def find_sites(model: Module) -> list[SiteCandidate]:
         if id(module) in claimed:
             continue
         adapter = adapter_for(module)
-        if adapter is None:
-            continue
+        if adapter is None or is_parametrized(module):  # (weight_norm, ...)
+            continue  # its parameters compute the weight: the fallback's
         claimed.update(id(child) for child in adapter.submodules(module))
         batch_dim = int(id(module) in sequence_first)
         for slot in adapter.slots(module):

@@ -302,3 +302,26 @@ def test_a_layer_without_entries_is_named_when_refused(case: str) -> None:
         optimizer = SINGD(model, fallback=None)
     assert [layer.name for layer in optimizer.layers] == ["main"]
     assert not optimizer.fallback_params
+
+
+@pytest.mark.parametrize(
+    ("module", "shape"),
+    [(nn.Linear(4, 3), (4,)), (nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5))],
+    ids=["Linear", "Conv2d"],
+)
+def test_an_unbatched_input_is_one_example(module: nn.Module, shape) -> None:
+    """`torch.nn` takes an input without batch dimension; so do the statistics.
+
+    Before, the backward pass of an update step failed inside the hooks.
+    """
+    x = torch.randn(*shape, dtype=torch.float64)
+    factors = []
+    for batched in (False, True):
+        model = copy.deepcopy(module).double()
+        optimizer = KFAC(model, lr=0.0, T=1)
+        model(x.unsqueeze(0) if batched else x).square().sum().backward()
+        optimizer.step()
+        state = optimizer.state[model.weight]
+        factors.append((state["A.mat"], state["G.mat"]))
+    for unbatched, batched in zip(*factors, strict=True):
+        torch.testing.assert_close(unbatched, batched, rtol=1e-13, atol=0.0)

@@ -114,12 +114,16 @@ class LayerAdapter(ABC):
         one_hot: Whether the default slot's inputs are one-hot rows.
         needs_before_forward: Whether `before_forward` must run before each
             collecting forward call.
+        unbatched_dims: The number of dimensions of an unbatched input (one
+            example, as `torch.nn` accepts it: `[d_in]` for a linear layer,
+            `[C, H, W]` for a convolution); None: the adapter has none.
     """
 
     description: str = ""
     transposed: bool = False  # the default slot's weight is stored [d_in, d_out]
     one_hot: bool = False  # the default slot's inputs are one-hot rows
     needs_before_forward: bool = False  # whether to call `before_forward`
+    unbatched_dims: int | None = 1  # an input of this rank is one example
 
     @abstractmethod
     def matches(self, module: Module) -> bool:
@@ -314,7 +318,10 @@ class LayerAdapter(ABC):
         """
         if not isinstance(output, Tensor) or not output.requires_grad:
             return [], None
-        return [Use("", self.layer_input(module, args, kwargs), output)], None
+        x = self.layer_input(module, args, kwargs)
+        if isinstance(x, Tensor) and x.dim() == self.unbatched_dims:
+            return [Use("", x.unsqueeze(0), output, batch_dim=None)], None
+        return [Use("", x, output)], None
 
     def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Any:
         r"""Return the input rows \(a\) of one use, with the slot's bias column.

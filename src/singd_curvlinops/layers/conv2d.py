@@ -19,6 +19,7 @@ class Conv2dAdapter(LayerAdapter):
     """`torch.nn.Conv2d` with zero padding (`padding_mode="zeros"`)."""
 
     description = "torch.nn.Conv2d (padding_mode='zeros')"
+    unbatched_dims = 3  # [C, H, W]
 
     def matches(self, module: Module) -> bool:
         """Return whether `module` is a zero-padded `Conv2d`.

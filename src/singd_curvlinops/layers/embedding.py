@@ -42,6 +42,7 @@ class EmbeddingAdapter(LayerAdapter):
     """`torch.nn.Embedding` with `max_norm=None` and `sparse=False` (module docs)."""
 
     description = "torch.nn.Embedding (max_norm=None, sparse=False)"
+    unbatched_dims = None  # its inputs are indices (`layer_input`)
     transposed = True
     one_hot = True
 

@@ -325,3 +325,19 @@ def test_an_unbatched_input_is_one_example(module: nn.Module, shape) -> None:
         factors.append((state["A.mat"], state["G.mat"]))
     for unbatched, batched in zip(*factors, strict=True):
         torch.testing.assert_close(unbatched, batched, rtol=1e-13, atol=0.0)
+
+
+class _PaddingConv(nn.Conv2d):
+    """Pads its input in `forward`, as timm's `Conv2dSame` (TF's "SAME")."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(nn.functional.pad(x, (0, 1, 0, 1)))
+
+
+def test_a_convolution_that_transforms_its_input_raises() -> None:
+    """Its statistics would pair unpadded patches with the output's locations."""
+    model = nn.Sequential(_PaddingConv(2, 3, 2, stride=2), nn.Flatten()).double()
+    optimizer = SINGD(model, lr=0.1, T=1)
+    with pytest.raises(ValueError, match=r"_PaddingConv: its output has \(3, 3\)"):
+        model(torch.randn(4, 2, 5, 5, dtype=torch.float64))
+    assert not optimizer._collector.pending

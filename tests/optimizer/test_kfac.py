@@ -183,3 +183,23 @@ def test_an_edited_option_reaches_the_cached_preconditioner(cls, options, edit) 
             optimizer.step()
     for p, q in zip(live_model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"lr_cov": 0.5, "alpha1": 0.3}, r"alpha1, lr_cov: options of SINGD's"),
+        ({"kfac_like": True}, r"kfac_like: options of SINGD's that KFAC does not"),
+        ({"structures": ("diagonal", "diagonal")}, r"structures must be 'auto'"),
+    ],
+)
+def test_singd_options_in_a_group_raise(cls, options, pattern) -> None:
+    """As their keywords do; before, a group's were dropped without a word."""
+    model = cnn()
+    with pytest.raises(ValueError, match=pattern):
+        cls(model, [{"params": list(model.parameters()), **options}])
+    optimizer = cls(model, lr=0.1)
+    with pytest.raises(ValueError, match=pattern):
+        optimizer.param_groups[0].update(options)
+        nn.functional.cross_entropy(model(batch()[0]), batch()[1]).backward()

@@ -38,7 +38,7 @@ from singd_curvlinops.structures import (
 )
 from singd_curvlinops.structures._linalg import solve_dense
 
-# options of SINGD that KFAC does not have; a group that names them has them removed
+# options of SINGD that KFAC does not have (a group that names them raises)
 _SINGD_ONLY = ("alpha1", "lr_cov", "kfac_like", "normalize_lr_cov")
 
 
@@ -57,10 +57,26 @@ class KFACRule(FactorRule):
     preconditioner_options = ("damping",)  # the inverses are of F + damping I
 
     def check_group(self, group: dict[str, Any]) -> None:
-        """Validate KFAC's options; SINGD-only options are removed."""
-        for key in _SINGD_ONLY:
-            group.pop(key, None)
-        group["structures"] = "auto"  # dense within the budget, else diagonal
+        """Validate KFAC's options.
+
+        Raises:
+            ValueError: For an option of SINGD's (`lr_cov`, `alpha1`, `kfac_like`,
+                `normalize_lr_cov`), which KFAC does not have, or structures other
+                than `"auto"` (dense within `max_dense_dim`, else diagonal); a
+                group that named them had them dropped before 2026-12-02.
+        """
+        given = [key for key in _SINGD_ONLY if key in group]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: options of SINGD's that KFAC does not have; "
+                "remove them from the group."
+            )
+        if group.get("structures", "auto") != "auto":
+            raise ValueError(
+                f"structures must be 'auto' for KFAC (dense factors within "
+                f"max_dense_dim, else diagonal), got {group['structures']!r}."
+            )
+        group["structures"] = "auto"
         check_common(group)
         check_number("ema_decay", group["ema_decay"], 0.0, 1.0)
 

@@ -334,10 +334,64 @@ class _PaddingConv(nn.Conv2d):
         return super().forward(nn.functional.pad(x, (0, 1, 0, 1)))
 
 
-def test_a_convolution_that_transforms_its_input_raises() -> None:
-    """Its statistics would pair unpadded patches with the output's locations."""
-    model = nn.Sequential(_PaddingConv(2, 3, 2, stride=2), nn.Flatten()).double()
+class _ScaledEmbedding(nn.Embedding):
+    """Multiplies the lookup, as Gemma's `GemmaTextScaledWordEmbedding`."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return super().forward(ids) * 4.0
+
+
+class _PositionalEmbedding(nn.Embedding):
+    """Looks up its own positions, as BART's learned positional embedding."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1]).expand_as(ids) + 2
+        return super().forward(positions)
+
+
+class _Tokens(nn.Module):
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding, self.head = embedding, nn.Linear(4, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.embedding(ids).mean(1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Sequential(
+            _PaddingConv(2, 3, 2, stride=2), nn.Flatten(), nn.Linear(27, 3)
+        ),
+        lambda: _Tokens(_ScaledEmbedding(16, 4)),
+        lambda: _Tokens(_PositionalEmbedding(16, 4)),
+    ],
+    ids=["Conv2dSame", "scaled-embedding", "positional-embedding"],
+)
+def test_a_subclass_with_its_own_forward_goes_to_the_fallback(make) -> None:
+    """Its function is not its base class's, so neither are its statistics.
+
+    Before, the padding convolution's input factor paired unpadded patches with
+    the output's locations, the scaled embedding's output factor was off by the
+    scale squared, and the positional embedding took token ids for positions
+    (wrong statistics, or an `IndexError` inside the hooks).
+    """
+    torch.manual_seed(0)
+    model = make().double()
+    subclass = model[0] if isinstance(model, nn.Sequential) else model.embedding
+    inputs = (
+        torch.randn(4, 2, 5, 5, dtype=torch.float64)
+        if isinstance(subclass, nn.Conv2d)
+        else torch.randint(0, 6, (4, 5))
+    )
     optimizer = SINGD(model, lr=0.1, T=1)
-    with pytest.raises(ValueError, match=r"_PaddingConv: its output has \(3, 3\)"):
-        model(torch.randn(4, 2, 5, 5, dtype=torch.float64))
-    assert not optimizer._collector.pending
+    assert all(layer.module is not subclass for layer in optimizer.layers)
+    assert set(subclass.parameters()) <= set(optimizer.fallback_params)
+    before = [p.detach().clone() for p in subclass.parameters()]
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(inputs).square().sum().backward()
+        optimizer.step()
+    for p, q in zip(subclass.parameters(), before, strict=True):
+        assert not torch.equal(p, q)

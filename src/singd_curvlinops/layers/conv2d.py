@@ -8,14 +8,11 @@ the weight-sharing dimension.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 from torch.nn import Conv2d, Module
-from torch.nn.functional import conv2d
 
 from singd_curvlinops import statistics
-from singd_curvlinops.layers.base import LayerAdapter, Use
+from singd_curvlinops.layers.base import LayerAdapter, plain_forward
 
 
 class Conv2dAdapter(LayerAdapter):
@@ -31,60 +28,14 @@ class Conv2dAdapter(LayerAdapter):
             module: A submodule of the model.
 
         Returns:
-            True for `Conv2d` (and subclasses) with `padding_mode="zeros"`.
+            True for `Conv2d` (and subclasses that keep its `forward`) with
+            `padding_mode="zeros"`.
         """
-        return isinstance(module, Conv2d) and module.padding_mode == "zeros"
-
-    def forward_uses(
-        self,
-        module: Module,
-        args: tuple,
-        kwargs: dict[str, Any],
-        output: Any,
-        before: Any,
-    ) -> tuple[list[Use], Any]:
-        """Return the call's use; raise if the output is no convolution of the input.
-
-        A subclass that transforms its input in `forward` (timm's `Conv2dSame`
-        pads it) would pair the patches of the unpadded input with the output's
-        locations: wrong statistics, silently.
-
-        Args:
-            module: The convolution, after its forward call.
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
-            output: Its output.
-            before: Unused.
-
-        Returns:
-            As `LayerAdapter.forward_uses`.
-
-        Raises:
-            ValueError: If the output's locations differ from those of the
-                module's convolution of its input (computed on the meta device).
-        """
-        uses, replacement = super().forward_uses(module, args, kwargs, output, before)
-        for use in uses:
-            expected = conv2d(
-                use.x.to("meta"),
-                module.weight.to("meta"),
-                None,
-                module.stride,
-                module.padding,
-                module.dilation,
-                module.groups,
-            ).shape[-2:]
-            got = tuple(output.shape[-2:])
-            if expected != got:
-                raise ValueError(
-                    f"{type(module).__name__}: its output has {got} locations, its "
-                    f"convolution of its input {tuple(expected)}: it "
-                    "transforms its input in forward (as timm's Conv2dSame pads it), "
-                    "which its statistics cannot see. Use nn.Conv2d (padding='same' "
-                    "pads inside the convolution), or give its parameters to "
-                    "another optimizer."
-                )
-        return uses, replacement
+        return (
+            isinstance(module, Conv2d)
+            and plain_forward(module, Conv2d)
+            and module.padding_mode == "zeros"
+        )
 
     def input_rows(self, module: Conv2d, x: Tensor, kfac_approx: str) -> Tensor:
         r"""Return \(a\) from the patches of `x`, `[batch, C_in, I1, I2]`.

@@ -34,7 +34,7 @@ from curvlinops.kfac import KFACType
 from torch import Tensor
 from torch.nn import Embedding, Module, Parameter
 
-from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.base import LayerAdapter, plain_forward
 from singd_curvlinops.statistics import SparseRows
 
 
@@ -53,10 +53,12 @@ class EmbeddingAdapter(LayerAdapter):
             module: A submodule of the model.
 
         Returns:
-            True for `Embedding` (and subclasses) without `max_norm` and `sparse`.
+            True for `Embedding` (and subclasses that keep its `forward`) without
+            `max_norm` and `sparse`.
         """
         return (
             isinstance(module, Embedding)
+            and plain_forward(module, Embedding)
             and module.max_norm is None
             and not module.sparse
         )

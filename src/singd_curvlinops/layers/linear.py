@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from torch.nn import Linear, Module
 
-from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.base import LayerAdapter, plain_forward
+
+# subclasses that override `forward` with the same function (read in their source)
+SAME_FUNCTION = frozenset(
+    {
+        "timm.layers.linear.Linear",  # F.linear, with a cast under TorchScript
+        "transformers.models.falcon.modeling_falcon.FalconLinear",  # x Wᵀ + b
+    }
+)
 
 
 class LinearAdapter(LayerAdapter):
@@ -23,6 +31,9 @@ class LinearAdapter(LayerAdapter):
             module: A submodule of the model.
 
         Returns:
-            True for `torch.nn.Linear` and its subclasses.
+            True for `torch.nn.Linear` and its subclasses that keep its
+            `forward` or compute the same (`SAME_FUNCTION`).
         """
-        return isinstance(module, Linear)
+        return isinstance(module, Linear) and plain_forward(
+            module, Linear, SAME_FUNCTION
+        )

@@ -441,10 +441,10 @@ class StatisticsCollector:
         }
         twin._warned = set(self._warned)
         for module, handles in self.hooks.handles.items():
-            copied = memo.get(id(module))
-            for handle in handles:
-                if copied is not None:
-                    remove_hook(copied, handle.id)
-        for layer in self._layers:
+            for handle in handles if id(module) in memo else ():
+                remove_hook(memo[id(module)], handle.id)
+        if self.hooks.removed is not None:  # removed or taken over: so is the copy
+            twin.hooks.remove(self.hooks.removed)
+        for layer in self._layers if self.hooks.removed is None else ():
             twin.attach(layers[layer])
         return twin

@@ -30,7 +30,9 @@ class CopiesWithModel:
             raise TypeError(self._copy_message())
         twin = object.__new__(type(self))
         memo[id(self)] = twin
-        skip = ("_collector", "_records")
+        # "step": an LR scheduler's wrapper of `step`, bound to this optimizer (the
+        # copy keeps its class's `step`, as torch's optimizers do when copied)
+        skip = ("_collector", "_records", "step")
         for key, value in self.__dict__.items():
             if key not in skip:
                 twin.__dict__[key] = copy.deepcopy(value, memo)

@@ -123,3 +123,40 @@ def test_model_with_hooks_still_pickles() -> None:
     nn.functional.cross_entropy(restored(X), y).backward()
     assert not optimizer._collector.pending
     torch.testing.assert_close(restored(X), net(X), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS)
+def test_a_copy_under_a_scheduler_steps_the_copy(make) -> None:
+    """A scheduler wraps the optimizer's `step`; the copy must not take the wrapper.
+
+    Before, the copy's `step()` stepped the original model and optimizer.
+    """
+    net = model()
+    optimizer = make(net)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    train(net, optimizer, batches(1))
+    net_copy, optimizer_copy = copy.deepcopy((net, optimizer))
+    frozen = parameters(net)
+    train(net_copy, optimizer_copy, batches(2, seed=2))
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), frozen, strict=True))
+    assert not all(
+        torch.equal(p, q) for p, q in zip(net_copy.parameters(), frozen, strict=True)
+    )
+    layer = optimizer_copy.layers[0]
+    assert optimizer_copy.state[layer.weight]["step"] == 3
+
+
+def test_a_copy_keeps_which_optimizer_holds_the_hooks() -> None:
+    """A removed or taken-over optimizer's copy is removed too (before: revived)."""
+    net = model()
+    old = SINGD(net, lr=0.1)
+    new = SINGD(net, lr=0.1)  # takes the hooks over
+    net_copy, new_copy, old_copy = copy.deepcopy((net, new, old))
+    train(net_copy, new_copy, batches(1))
+    with pytest.raises(RuntimeError, match="hooks were removed"):
+        train(net_copy, old_copy, batches(1))
+    with SINGD(net, lr=0.1) as scoped:
+        pass
+    _, scoped_copy = copy.deepcopy((net, scoped))
+    with pytest.raises(RuntimeError, match="hooks were removed"):
+        scoped_copy.step()

@@ -6,7 +6,7 @@
 - A `step` without gradients (no backward pass since the gradients were set to
   None) changes nothing: no parameter, factor, momentum or step counter; it warns
   and drops the statistics collected since the last step, which belong to the
-  discarded gradients.
+  discarded gradients. So does `zero_grad`, which discards them.
 """
 
 from __future__ import annotations
@@ -51,6 +51,20 @@ class Lifecycle:
             *exc_info: The exception of the block, if any.
         """
         self.remove_hooks()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients (`torch.optim`), and drop the statistics collected.
+
+        Statistics belong to the gradients of their backward passes: a pass whose
+        gradients are discarded (a batch skipped after `backward()`, a curvlinops
+        operator's passes after `step()`) adds nothing to the next factor update.
+        Factors handed over with `set_curvature` stay.
+
+        Args:
+            set_to_none: As for `torch.optim.Optimizer.zero_grad`.
+        """
+        super().zero_grad(set_to_none)
+        self._collector.pending.clear()
 
     def _has_gradients(self) -> bool:
         """Return whether any parameter of the groups has a gradient.

@@ -353,3 +353,30 @@ def test_the_baselines_warnings_name_their_class(cls: type) -> None:
     assert all(message.startswith(name) for message in messages), messages
     assert not any(re.search(r"\bSINGD\b", message) for message in messages)
     assert {w.filename for w in caught} == {__file__}
+
+
+@pytest.mark.parametrize("cls", [SINGD, KFAC, EKFAC], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("skipped", ["finite", "non-finite"])
+def test_zero_grad_drops_the_statistics_of_a_skipped_batch(cls, skipped) -> None:
+    """Statistics belong to their gradients; `zero_grad()` discards both.
+
+    Before, a batch skipped after `backward()` entered the next factor update (a
+    non-finite one made the next good step be skipped as a whole).
+    """
+    model, twin = _model(), _model()
+    optimizer, reference = cls(model, T=1), cls(twin, T=1)
+    x, y = _batch(seed=7)
+    if skipped == "non-finite":
+        x = x.clone()
+        x[0, 0] = float("inf")
+    # a finite loss whatever the input (its statistics are not finite)
+    nn.functional.cross_entropy(model(x).nan_to_num(), y).backward()
+    optimizer.zero_grad()  # the batch is skipped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for net, opt in ((model, optimizer), (twin, reference)):
+            for seed in (1, 2):
+                opt.zero_grad()
+                _backward(net, seed=seed)
+                opt.step()
+    assert_same(_snapshot(model, optimizer), _snapshot(twin, reference))

@@ -38,6 +38,9 @@ from singd_curvlinops.structures import (
 )
 from singd_curvlinops.structures._linalg import solve_dense
 
+# checkpoints written before the optimizer shell (issue 12) name KFAC's then only
+# structures, which "auto" gives within the budget
+_LEGACY_STRUCTURES = (("dense", "dense"), ["dense", "dense"])
 # options of SINGD that KFAC does not have (a group that names them raises)
 _SINGD_ONLY = ("alpha1", "lr_cov", "kfac_like", "normalize_lr_cov")
 
@@ -71,7 +74,7 @@ class KFACRule(FactorRule):
                 f"{', '.join(given)}: options of SINGD's that KFAC does not have; "
                 "remove them from the group."
             )
-        if group.get("structures", "auto") != "auto":
+        if group.get("structures", "auto") not in ("auto", *_LEGACY_STRUCTURES):
             raise ValueError(
                 f"structures must be 'auto' for KFAC (dense factors within "
                 f"max_dense_dim, else diagonal), got {group['structures']!r}."

@@ -142,3 +142,34 @@ def test_inverse_uses_structured_solves(structures) -> None:
     assert torch.allclose(inverse @ (P @ V), V, rtol=1e-9, atol=1e-9)
     assert inverse.inverse() @ V is not None
     assert torch.allclose(inverse.inverse() @ V, P @ V, rtol=1e-12, atol=1e-12)
+
+
+def test_params_give_the_order_of_the_optimizer_groups() -> None:
+    """A fallback parameter before the layers: `P.params`, not the model's order.
+
+    The layers' parameters come first in the default groups; a gradient list in
+    `model.parameters()` order would be permuted without an error.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model.double()
+    optimizer = SINGD(model, lr=0.1, T=1, lr_cov=0.5)
+    X = torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(X).square().sum().backward()
+        optimizer.step()
+    P = SINGDLinearOperator(optimizer)
+    grouped = [p for group in optimizer.param_groups for p in group["params"]]
+    assert all(p is q for p, q in zip(P.params, grouped, strict=True))
+    assert P.params[0] is not next(model.parameters())
+    direction = P @ [p.grad for p in P.params]
+    for layer in optimizer.layers:
+        expected = optimizer.preconditioner(layer).apply(
+            torch.cat([layer.weight.grad, layer.params[1].grad[:, None]], 1)
+        )
+        index = next(i for i, p in enumerate(P.params) if p is layer.weight)
+        torch.testing.assert_close(direction[index], expected[:, :-1])
+        torch.testing.assert_close(direction[index + 1], expected[:, -1])
+    for index in (4, 5):  # the LayerNorm's: identity
+        assert torch.equal(direction[index], P.params[index].grad)

@@ -77,6 +77,17 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         super().__init__(shapes, shapes)
 
     @property
+    def params(self) -> list[Tensor]:
+        """The parameters in the operator's order: that of the optimizer's groups.
+
+        With `params=None` the optimizer's groups hold the layers' parameters first
+        and the fallback parameters after them, which is not `model.parameters()`'s
+        order when a fallback parameter comes first: order tensor lists (and
+        curvlinops operators to compare with) by this list.
+        """
+        return list(self._params)
+
+    @property
     def device(self) -> torch.device:
         """Device of the parameters."""
         return self._params[0].device

@@ -206,3 +206,63 @@ def test_structured_ikfac_fixed_point(structures) -> None:
             error = (projected - identity).abs().max().item()
             print(name, type(M).__name__, f"max |Π(Kᵀ(U+λI)K) − I| = {error:.2e}")
             assert error < 1e-8
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def test_set_curvature_takes_a_bias_only_layer() -> None:
+    """A frozen weight leaves a bias-only layer (before: a bare `KeyError`).
+
+    With the empirical Fisher, the handed-over statistics are the optimizer's own:
+    the step equals one with collected statistics.
+    """
+    X, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    results = []
+    for hand_over in (False, True):
+        model = _mlp()
+        model[0].weight.requires_grad_(False)
+        optimizer = SINGD(model, lr=0.1, T=1, lr_cov=0.5, kfac_like=True)
+        assert [layer.dims for layer in optimizer.layers] == [(1, 5), (6, 3)]
+        if hand_over:
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer.set_curvature(
+                KFACLinearOperator(
+                    model,
+                    nn.CrossEntropyLoss(),
+                    params,
+                    [(X, y)],
+                    fisher_type=FisherType.EMPIRICAL,
+                    separate_weight_and_bias=False,
+                    check_deterministic=False,
+                )
+            )
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(X), y).backward()
+        optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_set_curvature_refuses_tied_weights() -> None:
+    """curvlinops factors each use; the optimizer's layer needs all uses' rows."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b).double()
+    optimizer = SINGD(model, lr=0.1)
+    X = torch.randn(8, 4, dtype=torch.float64)
+    kfac = KFACLinearOperator(
+        model,
+        nn.MSELoss(reduction="sum"),
+        [model[0].weight],
+        [(X, torch.zeros(8, 4, dtype=torch.float64))],
+        fisher_type=FisherType.EMPIRICAL,
+        separate_weight_and_bias=False,
+        check_deterministic=False,
+    )
+    with pytest.raises(ValueError, match=r"'0' and '2' share a parameter"):
+        optimizer.set_curvature(kfac)

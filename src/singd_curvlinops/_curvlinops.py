@@ -95,12 +95,14 @@ def kfac_factors(kfac: Any) -> dict[Parameter, tuple[Tensor, Tensor]]:
         kfac: A `curvlinops.KFACLinearOperator`.
 
     Returns:
-        Map from each layer's weight to (input covariance `[d_K, d_K]`, gradient
+        Map from each layer's weight (a bias-only layer's bias) to (input
+        covariance `[d_K, d_K]`, `[[1]]` for a bias-only layer; gradient
         covariance `[d_C, d_C]`).
 
     Raises:
         TypeError: If `kfac` is not a `KFACLinearOperator`.
-        ValueError: If it separates weight and bias.
+        ValueError: If it separates weight and bias, or two of its modules share
+            a parameter.
     """
     if not isinstance(kfac, KFACLinearOperator):
         raise TypeError(
@@ -114,11 +116,19 @@ def kfac_factors(kfac: Any) -> dict[Parameter, tuple[Tensor, Tensor]]:
         )
     if not kfac._input_covariances or not kfac._gradient_covariances:
         kfac.compute_kronecker_factors()
-    factors = {}
+    factors, modules = {}, {}
     for name, positions in kfac._mapping.items():
-        weight = kfac._params[positions["weight"]]
-        factors[weight] = (
-            kfac._input_covariances[name],
-            kfac._gradient_covariances[name],
-        )
+        U_C = kfac._gradient_covariances[name]
+        if "weight" in positions:
+            key, U_K = kfac._params[positions["weight"]], kfac._input_covariances[name]
+        else:  # a bias-only layer (frozen weight): its input rows are ones
+            key, U_K = kfac._params[positions["bias"]], U_C.new_ones(1, 1)
+        if key in factors:
+            raise ValueError(
+                f"The modules {modules[key]!r} and {name!r} share a parameter: "
+                "curvlinops gives each use of a tied weight its own factors, which "
+                "the optimizer cannot combine into the statistics of its layer (all "
+                "uses' rows together): set_curvature does not take tied weights."
+            )
+        factors[key], modules[key] = (U_K, U_C), name
     return factors

@@ -37,6 +37,7 @@ from singd_curvlinops import (
     checkpoint_validation,
     distributed,
     parameter_update,
+    state_validation,
     verdicts,
 )
 from singd_curvlinops._hyperparameters import check_positive
@@ -232,10 +233,12 @@ class KroneckerOptimizer(
                 "distribute=Shard(factors='owned') nor per-example rules (EKFAC) "
                 "support."
             )
+        dtypes = layer.factor_dtypes(group)
+        state_validation.check_factor_dtypes(layer, state, dtypes, self._rule)
         return CollectionPlan(
             kfac_approx=group["kfac_approx"],
             loss_average=group["loss_average"],
-            dtypes=layer.factor_dtypes(group),
+            dtypes=dtypes,
             grad_scale=state["grad_scale"],
             project=project,
             project_transposed=transposed,

@@ -391,3 +391,35 @@ def _check_structures(
             "layer's structures are fixed when the optimizer is built: build it with "
             "the checkpoint's structures (and max_dense_dim) to load this state."
         )
+
+
+def check_factor_dtypes(
+    layer: Layer,
+    state: Mapping[str, Any],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    rule: FactorRule,
+) -> None:
+    """Raise if a layer's factors are not in the dtypes it computes them in now.
+
+    They follow the weight's dtype unless `preconditioner_dtype` fixes them, so a
+    model cast after the optimizer was built (`model.double()`) no longer fits.
+
+    Args:
+        layer: The layer.
+        state: Its state (a factor this rank does not keep is skipped).
+        dtypes: `layer.factor_dtypes(group)`.
+        rule: The optimizer's factor rule.
+
+    Raises:
+        ValueError: Naming the layer, both dtypes and the remedy.
+    """
+    for prefix, side in rule.factor_sides:
+        stored = next((v for k, v in state.items() if k.startswith(f"{prefix}.")), None)
+        if isinstance(stored, Tensor) and stored.dtype != dtypes[side]:
+            raise ValueError(
+                f"Layer {layer.name!r}: its factor {prefix} is {stored.dtype}, but "
+                f"the layer computes in {dtypes[side]} now (its weight is "
+                f"{layer.weight.dtype}): was the model cast after the optimizer was "
+                "built? Build the optimizer after casting the model (or fix the "
+                "factors' dtype with preconditioner_dtype)."
+            )

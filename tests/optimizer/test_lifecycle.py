@@ -380,3 +380,15 @@ def test_zero_grad_drops_the_statistics_of_a_skipped_batch(cls, skipped) -> None
                 _backward(net, seed=seed)
                 opt.step()
     assert_same(_snapshot(model, optimizer), _snapshot(twin, reference))
+
+
+@pytest.mark.parametrize("cls", [SINGD, KFAC, EKFAC], ids=lambda c: c.__name__)
+def test_a_model_cast_after_construction_raises_in_the_forward_pass(cls) -> None:
+    """Before: a dtype error without a layer's name, inside `backward()`."""
+    model = _model()
+    optimizer = cls(model, T=1)
+    model.float()  # was float64
+    x, _ = _batch()
+    with pytest.raises(ValueError, match=r"Layer '0': its factor .* model cast"):
+        model(x.float())
+    assert not optimizer._collector.pending

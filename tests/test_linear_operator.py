@@ -173,3 +173,9 @@ def test_params_give_the_order_of_the_optimizer_groups() -> None:
         torch.testing.assert_close(direction[index + 1], expected[:, -1])
     for index in (4, 5):  # the LayerNorm's: identity
         assert torch.equal(direction[index], P.params[index].grad)
+
+
+def test_another_optimizer_is_refused() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="SINGD, KFAC or EKFAC optimizer, got SGD"):
+        SINGDLinearOperator(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -38,6 +38,9 @@ class SINGDLinearOperator(PyTorchLinearOperator):
         optimizer: A `SINGD`, `KFAC` or `EKFAC` optimizer. Its factors are copied,
             so later optimizer steps do not change the operator.
 
+    Raises:
+        TypeError: If `optimizer` is another optimizer.
+
     Examples:
         >>> import torch
         >>> from singd_curvlinops import SINGD
@@ -51,6 +54,11 @@ class SINGDLinearOperator(PyTorchLinearOperator):
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         check_version()
+        if not callable(getattr(optimizer, "preconditioner", None)):
+            raise TypeError(
+                "optimizer must be a SINGD, KFAC or EKFAC optimizer, got "
+                f"{type(optimizer).__name__}."
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._params = params
         self._inverse = False

@@ -72,7 +72,7 @@ for _ in range(20):
     optimizer.step()
 
 P = SINGDLinearOperator(optimizer)
-gradient = [p.grad for p in model.parameters()]
+gradient = [p.grad for p in P.params]  # the operator's order (the groups')
 direction = P @ gradient  # SINGD's direction, before momentum and learning rate
 print("shapes:", [tuple(d.shape) for d in direction])
 print(f"trace of P: exact {np.trace(dense(P)):.2f}, ", end="")

@@ -221,7 +221,7 @@ class StatisticsCollector:
         uses, replacement = site.adapter.forward_uses(
             module, args, kwargs, output, before
         )
-        uses = [use.batch_first(site.batch_dim) for use in uses]
+        uses = [use.batch_first(site.batch_dim, site.sequence) for use in uses]
         for use in uses:
             # the hook must not hold its own tensor: autograd keeps tensor hooks
             # in C++, where the garbage collector cannot see such a cycle (it

@@ -85,7 +85,8 @@ class Registration:
         ]
         if refused:
             raise ValueError(unowned_message(refused, self._layers))
-        sparse = sparse_gradient_params(self._layers.model, unowned)
+        trained = [p for p in unowned if p.requires_grad]
+        sparse = sparse_gradient_params(self._layers.model, trained)
         if sparse:
             raise ValueError(
                 f"{', '.join(map(repr, sparse))}: sparse gradients "

@@ -228,3 +228,51 @@ def test_sequence_first_transformer_layers_have_batch_first_factors(approx) -> N
     for name, (A, G) in factors[0].items():
         torch.testing.assert_close(factors[1][name][0], A, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(factors[1][name][1], G, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_an_unbatched_sequence_is_one_example(batch_first) -> None:
+    """`[L, E]` into a Transformer layer: its feed-forward layers see one example.
+
+    Before, their 2-D input was taken as `L` examples: output-side factors `L`
+    times too large next to the attention's.
+    """
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        E, HEADS, dim_feedforward=7, dropout=0.0, batch_first=batch_first
+    ).double()
+    x = torch.randn(L, E, dtype=torch.float64)
+    factors = []
+    for batched in (False, True):
+        model = copy.deepcopy(layer)
+        optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd")
+        inputs = x.unsqueeze(0 if batch_first else 1) if batched else x
+        model(inputs).square().sum().backward()
+        optimizer.step()
+        factors.append(
+            [optimizer.state[layer.weight]["G.mat"] for layer in optimizer.layers]
+        )
+    for unbatched, batched in zip(*factors, strict=True):
+        torch.testing.assert_close(unbatched, batched, rtol=1e-12, atol=0.0)
+
+
+class _ScaledQuery(nn.MultiheadAttention):
+    """Scales its query in its own `forward`."""
+
+    def forward(self, query, key, value, **kwargs):
+        return super().forward(3 * query, key, value, **kwargs)
+
+
+def test_an_attention_subclass_with_its_own_forward_goes_to_the_fallback() -> None:
+    """Before, the adapter recomputed the output without the subclass's change."""
+    torch.manual_seed(0)
+    block = Block("self")
+    block.attn = _ScaledQuery(E, HEADS, batch_first=True)
+    block.double()
+    nn.init.normal_(block.attn.in_proj_bias)
+    x, memory = _inputs(batch_first=True)
+    expected = block(x, memory)
+    optimizer = SINGD(block, lr=0.1, T=1)
+    assert [layer.name for layer in optimizer.layers] == ["head"]
+    assert set(block.attn.parameters()) <= set(optimizer.fallback_params)
+    torch.testing.assert_close(block(x, memory), expected, rtol=0.0, atol=0.0)

@@ -208,6 +208,8 @@ def test_sparse_embeddings_are_refused_when_registered(cls) -> None:
     X, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 2, (5,))
     nn.functional.cross_entropy(model(X), y).backward()
     optimizer.step()  # the rest trains
+    model[0].requires_grad_(False)  # frozen, it never gets a gradient: accepted
+    cls(model, model.parameters())
 
 
 @pytest.mark.parametrize("parametrize", ["weight_norm", "spectral_norm"])

@@ -48,6 +48,7 @@ from torch.nn import functional as F
 
 from singd_curvlinops import statistics
 from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
+from singd_curvlinops.layers.matching import plain_forward
 
 _INPUTS = ("query", "key", "value")
 
@@ -65,9 +66,12 @@ class MultiheadAttentionAdapter(LayerAdapter):
             module: A submodule of the model.
 
         Returns:
-            True for `MultiheadAttention` and its subclasses.
+            True for `MultiheadAttention` and its subclasses that keep its
+            `forward` (the adapter recomputes the module's output from it).
         """
-        return isinstance(module, MultiheadAttention)
+        return isinstance(module, MultiheadAttention) and plain_forward(
+            module, MultiheadAttention
+        )
 
     def weight(self, module: Module) -> Parameter:
         """Return the first projection weight (for messages).

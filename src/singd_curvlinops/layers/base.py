@@ -84,48 +84,26 @@ class Use:
     out_rows: slice | None = None
     batch_dim: int = 0
 
-    def batch_first(self, batch_dim: int) -> Use:
+    def batch_first(self, batch_dim: int, sequence: bool = False) -> Use:
         """Return this use of inputs whose batch is at `batch_dim` (`Site.batch_dim`).
 
         Args:
             batch_dim: The batch dimension of the module's input and output.
+            sequence: Whether the inputs are sequences (`Site.sequence`): a 2-D
+                input `[S, d]` is then one example.
 
         Returns:
-            The use with the batch moved first in `x` and `batch_dim` set; itself
-            for `batch_dim=0` or an input without that dimension besides its
-            features.
+            The use with the batch moved first in `x` and `batch_dim` set (None
+            for one unbatched sequence); itself for `batch_dim=0` or an input
+            without that dimension besides its features.
         """
-        if not batch_dim or not isinstance(self.x, Tensor):
+        if not isinstance(self.x, Tensor) or self.batch_dim is None:
             return self
-        if self.x.dim() < batch_dim + 2:
+        if sequence and self.x.dim() == 2:
+            return replace(self, x=self.x.unsqueeze(0), batch_dim=None)
+        if not batch_dim or self.x.dim() < batch_dim + 2:
             return self
         return replace(self, x=self.x.movedim(batch_dim, 0), batch_dim=batch_dim)
-
-
-def plain_forward(
-    module: Module, base: type[Module], equivalent: frozenset[str] = frozenset()
-) -> bool:
-    """Return whether `module` computes its `torch.nn` base class's function.
-
-    A subclass that overrides `forward` may compute anything from its parameters
-    (timm's `Conv2dSame` pads its input first, Hugging Face's positional
-    embeddings compute their own indices, Gemma's scaled embedding multiplies
-    the lookup): the statistics of the base class would be wrong for it, so the
-    built-in adapters leave it to the fallback rule (`register_layer` takes it).
-
-    Args:
-        module: A module that is an instance of `base`.
-        base: The `torch.nn` class whose function the adapter knows.
-        equivalent: Qualified names of subclasses whose `forward` is known to
-            compute the same function.
-
-    Returns:
-        True if its class keeps `base.forward`, or is one of `equivalent`.
-    """
-    cls = type(module)
-    return cls.forward is base.forward or (
-        f"{cls.__module__}.{cls.__qualname__}" in equivalent
-    )
 
 
 class LayerAdapter(ABC):

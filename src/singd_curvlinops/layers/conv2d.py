@@ -12,7 +12,8 @@ from torch import Tensor
 from torch.nn import Conv2d, Module
 
 from singd_curvlinops import statistics
-from singd_curvlinops.layers.base import LayerAdapter, plain_forward
+from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.matching import plain_forward
 
 
 class Conv2dAdapter(LayerAdapter):

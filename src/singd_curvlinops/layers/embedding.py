@@ -34,7 +34,8 @@ from curvlinops.kfac import KFACType
 from torch import Tensor
 from torch.nn import Embedding, Module, Parameter
 
-from singd_curvlinops.layers.base import LayerAdapter, plain_forward
+from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.matching import plain_forward
 from singd_curvlinops.statistics import SparseRows
 
 

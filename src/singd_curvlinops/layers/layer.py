@@ -45,6 +45,9 @@ class Site:
         batch_dim: The batch dimension of the module's inputs and outputs where
             its adapter expects it first (1: the feed-forward layers of a
             sequence-first Transformer layer; `collector` moves it first).
+        sequence: Whether the module's inputs are sequences (the feed-forward
+            layers of a Transformer layer), so that a 2-D input is one unbatched
+            sequence, not rows of examples.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Site:
     transposed: bool = False
     bias_column: BiasColumn = "keep"
     batch_dim: int = 0
+    sequence: bool = False
 
 
 def diagonal_sides(sites: Sequence[Site]) -> tuple[bool, bool]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch.nn import Linear, Module
 
-from singd_curvlinops.layers.base import LayerAdapter, plain_forward
+from singd_curvlinops.layers.base import LayerAdapter
+from singd_curvlinops.layers.matching import plain_forward
 
 # subclasses that override `forward` with the same function (read in their source)
 SAME_FUNCTION = frozenset(

@@ -29,6 +29,7 @@ from typing import Any
 
 from torch.nn import (
     Module,
+    MultiheadAttention,
     Parameter,
     TransformerDecoderLayer,
     TransformerEncoderLayer,
@@ -52,6 +53,7 @@ class SiteCandidate:
         adapter: Its adapter.
         slot: The slot.
         batch_dim: The batch dimension of the module's inputs (`Site`).
+        sequence: Whether its inputs are sequences (`Site`).
     """
 
     name: str
@@ -59,6 +61,7 @@ class SiteCandidate:
     adapter: LayerAdapter
     slot: Slot
     batch_dim: int = 0
+    sequence: bool = False
 
     @property
     def params(self) -> tuple[Parameter, ...]:
@@ -81,41 +84,47 @@ def find_sites(model: Module) -> list[SiteCandidate]:
         The candidates.
     """
     found, claimed = [], set()
-    sequence_first = _sequence_first_linears(model)
+    feed_forward = _feed_forward_linears(model)
     for name, module in model.named_modules():
         if id(module) in claimed:
             continue
+        if isinstance(module, MultiheadAttention):  # applies out_proj functionally
+            claimed.update(id(child) for child in module.children())
         adapter = adapter_for(module)
         if adapter is None or is_parametrized(module):  # (weight_norm, ...)
             continue  # its parameters compute the weight: the fallback's
         claimed.update(id(child) for child in adapter.submodules(module))
-        batch_dim = int(id(module) in sequence_first)
+        batch_dim = feed_forward.get(id(module), 0)
+        sequence = id(module) in feed_forward
         for slot in adapter.slots(module):
             label = f"{name}.{slot.name}" if name and slot.name else name or slot.name
-            found.append(SiteCandidate(label, module, adapter, slot, batch_dim))
+            found.append(
+                SiteCandidate(label, module, adapter, slot, batch_dim, sequence)
+            )
     return found
 
 
-def _sequence_first_linears(model: Module) -> set[int]:
-    r"""Return the ids of the feed-forward `Linear` layers that see `[S, N, d]` inputs.
+def _feed_forward_linears(model: Module) -> dict[int, int]:
+    r"""Return the feed-forward `Linear` layers of Transformer layers, by id.
 
-    A `TransformerEncoderLayer` or `TransformerDecoderLayer` with
-    `batch_first=False` (PyTorch's default) applies its `linear1`, `linear2` to
-    sequence-first tensors; the Linear statistics take dimension 0 as the batch,
-    so without this their \(\nu\) would count positions of the sequence as
-    examples (`"expand"`) or average over the batch (`"reduce"`).
+    A `TransformerEncoderLayer` or `TransformerDecoderLayer` applies its `linear1`,
+    `linear2` to sequences: `[N, S, d]`, `[S, N, d]` with `batch_first=False`
+    (PyTorch's default), or one unbatched `[S, d]`. The Linear statistics take
+    dimension 0 as the batch and a 2-D input as rows of examples, so without
+    this their \(\nu\) would count positions of a sequence as examples.
 
     Args:
         model: The network.
 
     Returns:
-        The ids of those modules, for `Site.batch_dim = 1`.
+        Per module id, the batch dimension of its batched inputs (`Site.batch_dim`,
+        with `Site.sequence` set).
     """
     layers = (TransformerEncoderLayer, TransformerDecoderLayer)
     return {
-        id(linear)
+        id(linear): int(not parent.self_attn.batch_first)
         for parent in model.modules()
-        if isinstance(parent, layers) and not parent.self_attn.batch_first
+        if isinstance(parent, layers)
         for linear in (parent.linear1, parent.linear2)
         if type(adapter_for(linear)) is LinearAdapter
     }
@@ -335,6 +344,7 @@ def _sites(
                 transposed,
                 column,
                 candidate.batch_dim,
+                candidate.sequence,
             )
         )
     return tuple(sites)
@@ -360,7 +370,9 @@ def _bias_layer(
         The layer, `dims = (1, d_out)`.
     """
     sites = tuple(
-        Site(s.name, s.module, s.adapter, s.slot, False, "only", s.batch_dim)
+        Site(
+            s.name, s.module, s.adapter, s.slot, False, "only", s.batch_dim, s.sequence
+        )
         for s in bias_sites
     )
     first, dims = bias_sites[0], (1, bias.shape[0])

@@ -52,3 +52,13 @@ def test_kfac_and_tied_layers_are_named() -> None:
     summary = KFAC(model).describe()
     rows = {row.name.split(" ")[0]: row for row in summary.rows}
     assert rows["0"].name == "0 (tied: 4)" and rows["0"].rule == "KFAC"
+
+
+def test_a_tied_layer_named_after_its_biased_use_lists_the_other() -> None:
+    """The layer takes its name from the use that adds the bias (here the head)."""
+    torch.manual_seed(0)
+    embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, nn.Tanh(), head)
+    rows = [row.name for row in SINGD(model).describe().rows]
+    assert rows == ["2 (tied: 0)"]

@@ -173,7 +173,7 @@ def summarize(
     """
     rows = []
     for layer in layers:
-        tied = [site.name for site in layer.sites[1:]]
+        tied = [site.name for site in layer.sites if site.name != layer.name]
         rows.append(
             SummaryRow(
                 name=layer.name + (f" (tied: {', '.join(tied)})" if tied else ""),

@@ -44,6 +44,7 @@ def test_help_documents_options_workloads_optimizers_and_budgets(capsys):
         (["--optimizers", "ikfac:banded"], "Unknown structure 'banded'"),
         (["--trials", "0"], "--trials: expected a positive integer, got 0"),
         (["--seeds", "x"], "--seeds: expected a positive integer, got 'x'"),
+        (["--threads", "99999999999"], "--threads: expected an integer in [1, 2"),
     ],
 )
 def test_bad_arguments_exit_with_code_2_and_a_clear_message(args, message, capsys):
@@ -132,3 +133,15 @@ def test_bf16_study_writes_markdown_json_and_figures(tmp_path, capsys):
 
     assert main([*args, "--report-only"]) == 0  # the same report, nothing run
     assert capsys.readouterr().out == printed
+
+
+def test_an_output_folder_that_cannot_be_made_exits_with_code_2(tmp_path, capsys):
+    """A file in the way of `--output` (before: a Python error, exit code 1)."""
+    blocking = tmp_path / "afile"
+    blocking.write_text("")
+    for output in (blocking, blocking / "sub"):
+        args = ["--workloads", "teacher-mlp", "--optimizers", "sgd", "--report-only"]
+        with pytest.raises(SystemExit) as info:
+            main(["compare", *args, "--output", str(output)])
+        assert info.value.code == 2
+        assert "argument --output: cannot create" in capsys.readouterr().err

@@ -184,7 +184,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--threads",
-        type=arguments.positive_int,
+        type=arguments.threads,
         default=1,
         metavar="N",
         help="torch threads (default: %(default)s)",
@@ -273,7 +273,10 @@ def run(args: argparse.Namespace) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    args.output.mkdir(parents=True, exist_ok=True)
+    try:
+        args.output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, a read-only folder
+        args.compare_parser.error(f"argument --output: cannot create {error}")
     url = args.storage or f"sqlite:///{(args.output / 'studies.db').resolve()}"
     budget = _budget(args)
     cells = cells_of(args.workloads, args.optimizers, args.bf16)

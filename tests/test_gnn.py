@@ -302,3 +302,11 @@ def test_torch_geometric_stays_optional() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("aggr", ["max", "min"])
+def test_a_gcn_with_a_nonlinear_aggregation_is_no_layer(aggr) -> None:
+    """Max/min aggregation is no linear map of `Â X` (before: wrong statistics)."""
+    assert adapter_for(GCNConv(3, 4, aggr=aggr)) is None
+    assert isinstance(adapter_for(GCNConv(3, 4, aggr="mean")), GCNConvAdapter)
+    assert isinstance(adapter_for(GCNConv(3, 4)), GCNConvAdapter)

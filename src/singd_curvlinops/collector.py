@@ -40,6 +40,7 @@ from torch.nn import Module, Parameter
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.attachment import HookSet
+from singd_curvlinops.grad_scaling import without_autocast
 from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
 from singd_curvlinops.layers import Layer, Site, Use
 from singd_curvlinops.layers.rows import use_rows
@@ -248,7 +249,7 @@ class StatisticsCollector:
         """
         if self.hooks.removed is not None or not grad_output.numel():
             return  # hooks removed since the forward pass, or an empty batch
-        with torch.no_grad():
+        with torch.no_grad(), without_autocast(grad_output.device):
             site = entry.site
             dtype_a, dtype_g = plan.dtypes[::-1] if site.transposed else plan.dtypes
             if use.batch_dim is None:

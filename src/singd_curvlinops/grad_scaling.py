@@ -9,7 +9,31 @@ this mixin reports (`collector.StatisticsCollector.take`).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
 from torch import Tensor
+from torch.amp.autocast_mode import is_autocast_available
+
+
+def without_autocast(device: torch.device) -> AbstractContextManager:
+    """Return a context in which `torch.autocast` is off on `device`.
+
+    The statistics hooks and `step` may run inside the user's autocast region
+    (Lightning's manual optimisation under `precision="bf16-mixed"` runs the
+    whole training step in it): the factor work must keep its own dtypes, not
+    autocast's (a SINGD update failed on mixed dtypes, KFAC's was 2 to 21 times
+    off in bfloat16 before 2026-12-02).
+
+    Args:
+        device: The device of the tensors involved.
+
+    Returns:
+        The context (a no-op where autocast does not exist).
+    """
+    if not is_autocast_available(device.type):
+        return nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 class GradScaling:

@@ -68,7 +68,8 @@ def graft_norm(
     Args:
         grad: The layer's \(\Gamma\), unscaled (not modified).
         state: The layer's state (AdamW moments updated in place; `"step"`
-            already counts this step).
+            already counts this step; grafting switched on after construction
+            keeps its own count, `"graft_step"`).
         group: The layer's group.
 
     Returns:
@@ -79,14 +80,17 @@ def graft_norm(
         return None
     if graft == "sgd":
         return torch.linalg.vector_norm(grad)
-    if "graft_exp_avg" not in state:  # grafting switched on after construction
+    if "graft_exp_avg" not in state:  # switched on later: count its own steps
         state["graft_exp_avg"] = torch.zeros_like(grad)
         state["graft_exp_avg_sq"] = torch.zeros_like(grad)
+        state["graft_step"] = torch.zeros((), dtype=torch.int64)
+    if "graft_step" in state:  # (AdamW's bias correction counts grafted steps)
+        state["graft_step"].add_(1)
     direction = adam_direction(
         grad,
         state["graft_exp_avg"],
         state["graft_exp_avg_sq"],
-        step=state["step"],
+        step=int(state.get("graft_step", state["step"])),
         betas=group["fallback_betas"],
         eps=group["fallback_eps"],
     )

@@ -110,6 +110,22 @@ class Registration:
         init_counters(self.state, owned + list(unowned), weights)
         self._options.check(self.param_groups, indices)  # the options they built
 
+    def _check_dormant(self) -> None:
+        """Raise if a parameter frozen at its registration has a gradient now.
+
+        Raises:
+            ValueError: Naming the parameters; nothing has changed.
+        """
+        woken = [p for p in self._layers.dormant if p.grad is not None]
+        if woken:
+            names = ", ".join(sorted(repr(self._layers.name(p)) for p in woken))
+            raise ValueError(
+                f"{names}: frozen (requires_grad=False) when {type(self).__name__} "
+                "registered them, so no layer preconditions them (a layer's factors "
+                "are sized at registration) and no fallback trains them; they have "
+                "gradients now. Build the optimizer after unfreezing them."
+            )
+
     def _init_all_states(self) -> None:
         """Give every layer and fallback parameter its initial state (a fresh start)."""
         groups = self.param_groups

@@ -45,7 +45,7 @@ from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.distributed import gram_rows
-from singd_curvlinops.grad_scaling import GradScaling
+from singd_curvlinops.grad_scaling import GradScaling, without_autocast
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.guarded import GuardedSteps
 from singd_curvlinops.layers import Layer, supported_layers
@@ -266,7 +266,6 @@ class KroneckerOptimizer(
         self._collector.hand_over(factors, self._layers.active(self.param_groups))
 
     # -------------------------------------------------------------------- step
-    @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """Update factors (every `T` steps) and parameters.
 
@@ -296,9 +295,16 @@ class KroneckerOptimizer(
                     loss = closure()
             finally:
                 self._closure_without_scaler = False
+        device = self.param_groups[0]["params"][0].device
+        with torch.no_grad(), without_autocast(device):  # (a user's autocast region)
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        """Update factors and parameters from the gradients (the body of `step`)."""
         if not self._has_gradients():  # nothing changes (see `lifecycle`)
             self._step_without_gradients()
-            return loss
+            return
         self._check_dormant()
         layers = self._layers.active(self.param_groups)
         step_options = self._options.step_options(layers, self.state, self.param_groups)
@@ -350,23 +356,6 @@ class KroneckerOptimizer(
         if not guard.settle():  # skipped as a whole: nothing changed
             self._collector.pending.clear()
             self._collector.restore_handed_over(handed_over)
-        return loss
-
-    def _check_dormant(self) -> None:
-        """Raise if a parameter frozen at its registration has a gradient now.
-
-        Raises:
-            ValueError: Naming the parameters; nothing has changed.
-        """
-        woken = [p for p in self._layers.dormant if p.grad is not None]
-        if woken:
-            names = ", ".join(sorted(repr(self._layers.name(p)) for p in woken))
-            raise ValueError(
-                f"{names}: frozen (requires_grad=False) when {type(self).__name__} "
-                "registered them, so no layer preconditions them (a layer's factors "
-                "are sized at registration) and no fallback trains them; they have "
-                "gradients now. Build the optimizer after unfreezing them."
-            )
 
     def _fallback_params(
         self, groups: list[dict[str, Any]]

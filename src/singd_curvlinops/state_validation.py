@@ -20,12 +20,14 @@ eagerly at construction, so each is required:
   old rule's state, and the new rule's is created at its first step.
 
 Optional: AdamW grafting's `"graft_exp_avg"`, `"graft_exp_avg_sq"` (a pair,
-created at the first grafted step), and the counters `"skipped_steps"`,
-`"discarded_factor_updates"`. Momentum buffers, fallback moments and grafting
-moments have the parameter's shape (the moments the layout of \(\Gamma\),
-`[d_C, d_K]`), any floating dtype (loading casts them to the parameter's) and
-finite entries; counters are ints in `[0, 2**63)` (or 0-d integer tensors); a
-gradient scale is a finite positive number. Any other entry is refused.
+created at the first grafted step; with `"graft_step"`, the count of grafted
+steps, where grafting was switched on after construction), and the counters
+`"skipped_steps"`, `"discarded_factor_updates"`. Momentum buffers, fallback
+moments and grafting moments have the parameter's shape (the moments the layout
+of \(\Gamma\), `[d_C, d_K]`), any floating dtype (loading casts them to the
+parameter's) and finite entries; counters are ints in `[0, 2**63)` (or 0-d
+integer tensors); a gradient scale is a finite positive number. Any other entry
+is refused.
 
 Wrong types raise `TypeError`, everything else `ValueError`; messages give the
 entry's path in the state dict (`state_dict['state'][0]['K.mat']`), the layer or
@@ -158,7 +160,8 @@ def check_layer_entry(
     _check_factor_keys(entry, f"{where} ({owner})", factors, layer, rule)
     counters = [k for k, v in initial.items() if not isinstance(v, Tensor)]
     required = [*factors, *counters, "step", "grad_scale", "momentum_buffer"]
-    _check_keys(entry, where, owner, required, [*GRAFT_KEYS, *OPTIONAL_COUNTERS])
+    optional = [*GRAFT_KEYS, "graft_step", *OPTIONAL_COUNTERS]
+    _check_keys(entry, where, owner, required, optional)
     saved = {
         key: check_tensor(
             entry[key], _at(where, key, owner), tuple(value.shape), value.dtype
@@ -177,6 +180,14 @@ def check_layer_entry(
                     "other; AdamW grafting keeps both."
                 )
             check_tensor(entry[key], _at(where, key, owner), layer.dims[::-1])
+    if "graft_step" in entry:
+        if "graft_exp_avg" not in entry:
+            raise ValueError(
+                f"{where} ({owner}) has 'graft_step' without the grafting moments."
+            )
+        check_counter(entry["graft_step"], _at(where, "graft_step", owner))
+        # restored after torch's load, which casts it to the parameter's dtype
+        saved["graft_step"] = torch.as_tensor(entry["graft_step"], dtype=torch.int64)
     _check_optional_counters(entry, where, owner)
     return saved
 

@@ -153,3 +153,34 @@ def test_a_run_that_drops_its_scaler_continues_unscaled(name: str, resumed) -> N
     assert scales - {None} == {1.0}
     for p, q in zip(model.parameters(), reference, strict=True):
         assert torch.equal(p.detach(), q)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("inside", ["backward", "step", "both"])
+def test_backward_and_step_inside_autocast_change_nothing(name, inside) -> None:
+    """As in Lightning's manual optimisation under `precision="bf16-mixed"`.
+
+    Before, SINGD's factor update failed on mixed dtypes and KFAC's statistics
+    were formed in bfloat16 (2 to 21 times off).
+    """
+    X, y = _data(torch.float32)
+
+    def train(inside: str) -> list[Tensor]:
+        model = _model(torch.float32)
+        optimizer = OPTIMIZERS[name](model, lr=0.05, T=1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(X).float(), y)
+                if inside in ("backward", "both"):
+                    loss.backward()
+            if inside not in ("backward", "both"):
+                loss.backward()
+            step_inside = inside in ("step", "both")
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step_inside):
+                optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = train("none")
+    for p, q in zip(train(inside), reference, strict=True):
+        assert torch.equal(p, q)

@@ -140,6 +140,10 @@ def aggregated_input(module: Module, args: tuple, kwargs: dict[str, Any]) -> Ten
         return module.propagate(edge_index, x=x, edge_weight=edge_weight)
 
 
+# PyG's aggregations that are linear in the features (GCNConv's default is "add")
+LINEAR_AGGREGATIONS = ("add", "sum", "mean")
+
+
 class GCNConvAdapter(LayerAdapter):
     r"""`torch_geometric.nn.GCNConv`: a linear layer on \(\hat A X\) (module docs)."""
 
@@ -152,9 +156,15 @@ class GCNConvAdapter(LayerAdapter):
             module: A submodule of the model.
 
         Returns:
-            False for lazily initialised layers before their first forward pass.
+            False for lazily initialised layers before their first forward pass,
+            and for an aggregation that is not linear in the features (`"max"`,
+            `"min"`, ...: the layer is then no linear map of `Â X`).
         """
-        return is_gcn(module) and is_materialized(module)
+        return (
+            is_gcn(module)
+            and is_materialized(module)
+            and getattr(module, "aggr", None) in LINEAR_AGGREGATIONS
+        )
 
     def weight(self, module: Module) -> Parameter:
         """Return the weight of the layer's linear map, `lin.weight`.

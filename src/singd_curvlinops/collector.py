@@ -224,9 +224,8 @@ class StatisticsCollector:
         )
         uses = [use.batch_first(site.batch_dim, site.sequence) for use in uses]
         for use in uses:
-            # the hook must not hold its own tensor: autograd keeps tensor hooks
-            # in C++, where the garbage collector cannot see such a cycle (it
-            # would keep every update step's activations, and the collector)
+            # the hook must not hold its own tensor: autograd keeps tensor hooks in
+            # C++, where gc cannot see the cycle (activations would be kept)
             record = replace(use, output=None)
             for entry, plan in active:
                 if entry.site.slot.name == use.slot:

@@ -128,8 +128,12 @@ def kept_everywhere(key: str, rule: FactorRule, owned: bool) -> bool:
         owned: Whether only owners keep factors (`Shard(factors="owned")`).
 
     Returns:
-        False under owned factors and for the rule's `owner_state`; else True.
+        True for AdamW grafting's entries (every rank applies every layer's step
+        and grafts it from the same gradient); else False under owned factors and
+        for the rule's `owner_state`, True otherwise.
     """
+    if key.startswith("graft_"):
+        return True
     return not owned and key.split(".", 1)[0] not in rule.owner_state
 
 

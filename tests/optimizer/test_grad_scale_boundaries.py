@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -69,6 +70,19 @@ def test_float16_parameters_train_under_the_default_scale(name: str) -> None:
         assert torch.equal(p, q)
 
 
+def _backward_and_step(
+    loss: Tensor, optimizer: Any, scaler: torch.amp.GradScaler | None
+) -> None:
+    """Backward and step, through the scaler if there is one."""
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
 def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]:
     """float32 model, float16 factors, a sum loss (large scaled rows)."""
     model = _model(torch.float32)
@@ -87,13 +101,7 @@ def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]
     for _ in range(6):
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(X), Y, reduction="sum")
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+        _backward_and_step(loss, optimizer, scaler)
         trajectory.append([p.detach().clone() for p in model.parameters()])
     return trajectory, optimizer.skipped_steps
 
@@ -114,14 +122,7 @@ def test_float16_factors_take_unscaled_rows_under_a_scaler() -> None:
 
 def _step(model, optimizer, X, y, scaler=None) -> None:
     optimizer.zero_grad()
-    loss = nn.functional.cross_entropy(model(X), y)
-    if scaler is None:
-        loss.backward()
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    _backward_and_step(nn.functional.cross_entropy(model(X), y), optimizer, scaler)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -57,7 +57,7 @@ from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.stepping import (
     LayerStepper,
     PreconditionerCache,
-    has_gradient,
+    due_in_step,
     is_due,
 )
 
@@ -381,7 +381,7 @@ class KroneckerOptimizer(
             counter is a multiple of its group's `T`.
         """
         group = self.param_groups[layer.group_index]
-        return has_gradient(layer) and is_due(self.state[layer.weight], group)
+        return due_in_step(layer, self.state[layer.weight], group)
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -68,6 +68,20 @@ def has_gradient(layer: Layer) -> bool:
     return any(p.grad is not None for p in layer.params)
 
 
+def due_in_step(layer: Layer, state: dict[str, Any], group: Mapping[str, Any]) -> bool:
+    """Return whether a layer's factors update in this step.
+
+    Args:
+        layer: The layer.
+        state: Its state.
+        group: Its parameter group.
+
+    Returns:
+        Whether it takes part in the step (`has_gradient`) and is due (`is_due`).
+    """
+    return has_gradient(layer) and is_due(state, group)
+
+
 class LayerStepper:
     """The shell's per-layer operations within one step.
 
@@ -134,9 +148,7 @@ class LayerStepper:
             Whether it has a gradient and its step counter is a multiple of its
             group's `T`.
         """
-        return has_gradient(layer) and is_due(
-            self.state[layer.weight], self.group(layer)
-        )
+        return due_in_step(layer, self.state[layer.weight], self.group(layer))
 
     def _statistics_scale(self, layer: Layer) -> float:
         """Return the scale of the output gradients in this step's statistics.

@@ -16,12 +16,12 @@ that needs per-example gradients (`FactorRule.per_example`, EKFAC), the uses'
 `"expand"` rows are also kept, in an `ExampleGradients` record that the rule's
 update turns into sums of squares (scaled like \(H_C\)).
 
-What to collect is asked of the optimizer per forward call (`CollectionPlan`);
-the collector knows neither rules nor layer types. The hooks hold the collector
-weakly, and their `attachment.HookSet` removes them when it is dropped, when the
-optimizer removes them (`remove_hooks`) or when a later optimizer takes its layers
-over. A copied model gets inert hooks (see `hooks.ModuleHook`). A use without
-entries (an empty batch) contributes nothing.
+What to collect is asked of the optimizer per forward call
+(`collection_plan.CollectionPlan`); the collector knows neither rules nor layer
+types. The hooks hold the collector weakly, and their `attachment.HookSet` removes
+them when it is dropped, when the optimizer removes them (`remove_hooks`) or when
+a later optimizer takes its layers over. A copied model gets inert hooks (see
+`hooks.ModuleHook`). A use without entries (an empty batch) contributes nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torch.nn import Module, Parameter
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.attachment import HookSet
+from singd_curvlinops.collection_plan import CollectionPlan
 from singd_curvlinops.grad_scaling import without_autocast
 from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
 from singd_curvlinops.layers import Layer, Site, Use
@@ -47,33 +48,6 @@ from singd_curvlinops.layers.rows import use_rows
 from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
-from singd_curvlinops.structures import StructuredMatrix
-
-Project = Callable[[Any, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
-
-
-@dataclass(frozen=True)
-class CollectionPlan:
-    """What to collect for one layer in one forward-backward pass.
-
-    Attributes:
-        kfac_approx: `"expand"` or `"reduce"`.
-        loss_average: `None`, `"batch"` or `"batch+sequence"`.
-        dtypes: Dtypes of the input and output rows (the factors').
-        grad_scale: Scale of the output gradients expected in this pass.
-        project: The rule's map from rows `(a, g)` to `(H_K, H_C)`.
-        project_transposed: The same for the layer seen transposed (its twin):
-            the factors' sides swapped; None if the layer has no twin.
-        per_example: Whether to keep the rows for per-example gradients.
-    """
-
-    kfac_approx: str
-    loss_average: statistics.LossAverage
-    dtypes: tuple[torch.dtype, torch.dtype]
-    grad_scale: float
-    project: Project
-    project_transposed: Project | None = None
-    per_example: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -41,7 +41,8 @@ from singd_curvlinops import (
     verdicts,
 )
 from singd_curvlinops._hyperparameters import check_positive
-from singd_curvlinops.collector import CollectionPlan, StatisticsCollector
+from singd_curvlinops.collection_plan import CollectionPlan
+from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
 from singd_curvlinops.distributed import gram_rows

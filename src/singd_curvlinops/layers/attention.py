@@ -49,6 +49,7 @@ from torch.nn import functional as F
 from singd_curvlinops import statistics
 from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
 from singd_curvlinops.layers.matching import plain_forward
+from singd_curvlinops.layers.replay import random_state, replayed
 
 _INPUTS = ("query", "key", "value")
 
@@ -156,7 +157,7 @@ class MultiheadAttentionAdapter(LayerAdapter):
         if not (module.training and module.dropout > 0):
             return None
         query = args[0] if args else kwargs["query"]
-        return _random_state(query.device)
+        return random_state(query.device)
 
     def forward_uses(
         self,
@@ -188,14 +189,13 @@ class MultiheadAttentionAdapter(LayerAdapter):
         batch_dim = (0 if module.batch_first else 1) if query.dim() == 3 else None
         uses: list[Use] = []
         projected = _project(module, query, key, value, batch_dim, uses)
-        after = _random_state(query.device) if before is not None else None
-        if before is not None:
-            _set_random_state(before)
-        attended, weights = functional_call(
-            module, _identity_projections(module), projected, bound
+        attended, weights = replayed(
+            before,
+            query.device,
+            lambda: functional_call(
+                module, _identity_projections(module), projected, bound
+            ),
         )
-        if after is not None:
-            _set_random_state(after)
         attn_output = F.linear(attended, module.out_proj.weight, module.out_proj.bias)
         uses.append(
             Use(
@@ -321,28 +321,3 @@ def _identity_projections(module: MultiheadAttention) -> dict[str, Tensor]:
         if bias is not None:
             substitutes[name] = torch.zeros_like(bias, requires_grad=False)
     return substitutes
-
-
-def _random_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """Return the CPU random state and that of `device` if it is a CUDA device.
-
-    Args:
-        device: The inputs' device.
-
-    Returns:
-        `(cpu state, cuda state or None)`.
-    """
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), (cuda, device)
-
-
-def _set_random_state(state: tuple[Tensor, Any]) -> None:
-    """Restore a state from `_random_state`.
-
-    Args:
-        state: The state.
-    """
-    cpu, (cuda, device) = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)

@@ -3,7 +3,8 @@ r"""The statistics collector: hooks, accumulation, hand-over, finiteness.
 On a step that updates a layer's factors, a forward hook on each module that
 applies it asks the module's adapter for the *uses* of the call (input and output
 of each application of a slot; `LayerAdapter.forward_uses`) and installs a tensor
-hook on each use's output (no module backward hooks: they break in-place
+hook on each use's output (`hooks.hook_gradient`: it also runs if the output is
+changed in place later; no module backward hooks: they break in-place
 activations). In the backward pass that hook turns input and output gradient into
 the rows \(a\), \(\tilde g\) (the adapter, curvlinops' conventions), brings them
 into the layer's layout (bias column, output rows of a partial use) and hands them
@@ -42,7 +43,13 @@ from singd_curvlinops._warnings import warn
 from singd_curvlinops.attachment import HookSet
 from singd_curvlinops.collection_plan import CollectionPlan
 from singd_curvlinops.grad_scaling import without_autocast
-from singd_curvlinops.hooks import ModuleHook, PreHook, own_parameters, remove_hook
+from singd_curvlinops.hooks import (
+    ModuleHook,
+    PreHook,
+    hook_gradient,
+    own_parameters,
+    remove_hook,
+)
 from singd_curvlinops.layers import Layer, Site, Use
 from singd_curvlinops.layers.rows import use_rows
 from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
@@ -203,8 +210,8 @@ class StatisticsCollector:
             record = replace(use, output=None)
             for entry, plan in active:
                 if entry.site.slot.name == use.slot:
-                    use.output.register_hook(
-                        partial(self._accumulate, entry, record, plan)
+                    hook_gradient(
+                        use.output, partial(self._accumulate, entry, record, plan)
                     )
         return replacement
 

@@ -8,10 +8,11 @@ collector never sees the copy's passes.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.nn import Module
 
 
@@ -33,6 +34,36 @@ def own_parameters(module: Module, entries: Sequence[Any]) -> bool:
         if slot.bias is not entry.site.slot.bias:
             return False
     return True
+
+
+def hook_gradient(output: Tensor, hook: Callable[[Tensor], None]) -> None:
+    """Call `hook` with the gradient w.r.t. `output`, even if it changes in place.
+
+    A linear layer's output on inputs with more than two dimensions is a view of
+    the product's 2-D result. An in-place operation on it (`ReLU(inplace=True)`,
+    `+=`) rebases the view's history, and a hook registered on the view never
+    runs. A hook on the view's base, which holds the same elements in the same
+    order and which only the view references, runs with the gradient w.r.t. the
+    values before any in-place change (as a hook on a tensor that is not a view
+    does); it is reshaped to `output`'s shape.
+
+    Args:
+        output: A layer's output in the forward pass.
+        hook: Called with the gradient, shaped as `output`.
+    """
+    base = output._base
+    same_elements = (
+        base is not None
+        and base.numel() == output.numel()
+        and base.storage_offset() == output.storage_offset()
+        and base.is_contiguous()
+        and output.is_contiguous()
+    )
+    if not same_elements:
+        output.register_hook(hook)
+        return
+    shape = output.shape  # (the hook must not hold `output` itself)
+    base.register_hook(lambda grad: hook(grad.reshape(shape)))
 
 
 class ModuleHook:

@@ -1,10 +1,10 @@
 """Layer adapters: how each module type enters the Kronecker optimizers.
 
 Built in: `torch.nn.Linear`, `torch.nn.Conv2d` (zero padding), `torch.nn.Embedding`,
-`torch.nn.MultiheadAttention`, Hugging Face's `Conv1D` and
-`torch_geometric.nn.GCNConv` (the last two when their packages are in use; never
-imported here). Add a type by subclassing `LayerAdapter` and calling
-`register_layer`.
+`torch.nn.MultiheadAttention`, Hugging Face's `Conv1D`,
+`torch_geometric.nn.GCNConv` and torchvision's Swin window attention (the last
+three when their packages are in use; never imported here). Add a type by
+subclassing `LayerAdapter` and calling `register_layer`.
 """
 
 from singd_curvlinops.layers.attention import MultiheadAttentionAdapter
@@ -21,6 +21,7 @@ from singd_curvlinops.layers.registry import (
     supported_layers,
     unregister_layer,
 )
+from singd_curvlinops.layers.window_attention import ShiftedWindowAttentionAdapter
 
 __all__ = [
     "Conv1DAdapter",
@@ -31,6 +32,7 @@ __all__ = [
     "LayerAdapter",
     "LinearAdapter",
     "MultiheadAttentionAdapter",
+    "ShiftedWindowAttentionAdapter",
     "Site",
     "Slot",
     "Use",

@@ -2,9 +2,9 @@
 
 `adapter_for(module)` asks the registered adapters in order, users' first (so a
 user's adapter may take over a subclass of a built-in type), then `Linear`,
-`Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D` and PyG's
-`GCNConv`. `register_layer` adds an adapter; see the docs page
-"Adding a layer type".
+`Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D`, PyG's
+`GCNConv` and torchvision's Swin window attention. `register_layer` adds an
+adapter; see the docs page "Adding a layer type".
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from singd_curvlinops.layers.conv2d import Conv2dAdapter
 from singd_curvlinops.layers.embedding import EmbeddingAdapter
 from singd_curvlinops.layers.gcn import GCNConvAdapter
 from singd_curvlinops.layers.linear import LinearAdapter
+from singd_curvlinops.layers.window_attention import ShiftedWindowAttentionAdapter
 
 _BUILTIN: tuple[LayerAdapter, ...] = (
     LinearAdapter(),
@@ -26,6 +27,7 @@ _BUILTIN: tuple[LayerAdapter, ...] = (
     MultiheadAttentionAdapter(),
     Conv1DAdapter(),
     GCNConvAdapter(),
+    ShiftedWindowAttentionAdapter(),
 )
 _USER: list[LayerAdapter] = []
 

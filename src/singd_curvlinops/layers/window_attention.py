@@ -1,0 +1,271 @@
+r"""torchvision's Swin attention: `qkv` and `proj` as linear layers on window rows.
+
+`torchvision.models.swin_transformer.ShiftedWindowAttention` (Swin V1) and
+`ShiftedWindowAttentionV2` hold two `torch.nn.Linear` children, `qkv` and `proj`,
+but apply their weights inside the function `shifted_window_attention` through
+`torch.nn.functional.linear`, on the input cut into windows: the children's hooks
+never run. The adapter treats the attention module as a holder of two slots,
+`qkv` and `proj` (layer names `<module>.qkv`, `<module>.proj`, as the children's);
+the relative position bias table, V2's `logit_scale` and V2's `cpb_mlp` (which
+the module calls as modules) are not slots.
+
+**Rows.** The module pads its input `[B, H, W, C]` to whole windows, shifts it,
+and applies `qkv` to `[B n_W, N, C]` (`n_W` windows of `N` positions each, the
+windows of one image consecutive); `proj` acts on the attention's output in the
+same layout. All windows of an image share the weights, so the adapter regroups
+each application's rows by image, `[B, n_W N, C]`: every image is one example
+whose weight-sharing dimension holds all its windows' positions, as for a linear
+layer applied to a sequence (curvlinops' convention for such a layer; padded
+positions are rows too, as the module computes them). The output is unchanged:
+the products are the same rows.
+
+**Mechanism.** On passes that collect statistics, `forward_uses` runs the
+module's `forward` again under a `torch.overrides.TorchFunctionMode` that
+intercepts exactly the two `F.linear` calls whose weight is `qkv.weight` or
+`proj.weight`: it applies them to the regrouped rows, records their input and
+output, and hands the product on in the module's layout. The recomputed output
+replaces the original one (whose graph is dropped); with dropout, the random
+state of the original call is replayed (`replay`). Outputs and gradients equal
+the unmodified module's (tested to 1e-12 in float64). The cost: the attention's
+forward runs twice on collecting passes (every `T` steps).
+
+**V2's key bias.** V2 zeroes the key third of the `qkv` bias inside the
+function (cosine attention does not use it): that third has zero gradient, and
+the Kronecker-factored preconditioner, which mixes the rows of the gradient
+matrix, may still move it. It never changes the module's output.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Linear, Module, Parameter
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from singd_curvlinops import statistics
+from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
+from singd_curvlinops.layers.matching import plain_forward
+from singd_curvlinops.layers.replay import random_state, replayed
+
+_SWIN = "torchvision.models.swin_transformer"
+_SLOTS = ("qkv", "proj")
+
+
+def _attention_classes() -> tuple[type[Module], ...]:
+    """Return torchvision's window attention classes, V2 first (a V1 subclass).
+
+    Returns:
+        `(ShiftedWindowAttentionV2, ShiftedWindowAttention)`, or `()` while
+        torchvision's Swin module has not been imported (no model can hold one).
+    """
+    swin = sys.modules.get(_SWIN)
+    if swin is None:
+        return ()
+    return swin.ShiftedWindowAttentionV2, swin.ShiftedWindowAttention
+
+
+class ShiftedWindowAttentionAdapter(LayerAdapter):
+    """torchvision's Swin window attention, V1 and V2: `qkv`, `proj` (module docs)."""
+
+    description = "torchvision's ShiftedWindowAttention (Swin V1, V2)"
+    needs_before_forward = True
+    unbatched_dims = None
+
+    def matches(self, module: Module) -> bool:
+        """Return whether `module` is one of torchvision's window attentions.
+
+        Args:
+            module: A submodule of the model.
+
+        Returns:
+            True for `ShiftedWindowAttention`, `ShiftedWindowAttentionV2` and
+            subclasses that keep their class's `forward`, with `Linear` children
+            `qkv` and `proj`.
+        """
+        for base in _attention_classes():
+            if isinstance(module, base):
+                return plain_forward(module, base) and all(
+                    isinstance(getattr(module, name, None), Linear) for name in _SLOTS
+                )
+        return False
+
+    def weight(self, module: Module) -> Parameter:
+        """Return `qkv.weight` (for messages).
+
+        Args:
+            module: The attention module.
+
+        Returns:
+            The first slot's weight.
+        """
+        return module.qkv.weight
+
+    def bias(self, module: Module) -> Parameter | None:
+        """Return `qkv.bias`.
+
+        Args:
+            module: The attention module.
+
+        Returns:
+            The first slot's bias, if any.
+        """
+        return module.qkv.bias
+
+    def slots(self, module: Module) -> tuple[Slot, ...]:
+        """Return the slots `qkv` and `proj`.
+
+        Args:
+            module: The attention module.
+
+        Returns:
+            Two slots with the children's weights and biases.
+        """
+        return tuple(
+            Slot(name, getattr(module, name).weight, getattr(module, name).bias)
+            for name in _SLOTS
+        )
+
+    def submodules(self, module: Module) -> tuple[Module, ...]:
+        """Return `qkv` and `proj`, which the module applies functionally.
+
+        Args:
+            module: The attention module.
+
+        Returns:
+            `(qkv, proj)`.
+        """
+        return tuple(getattr(module, name) for name in _SLOTS)
+
+    def slot_dims(self, module: Module, slot: Slot) -> tuple[int, int]:
+        """Return `(d_in, d_out)` of a slot.
+
+        Args:
+            module: The attention module.
+            slot: One of its slots.
+
+        Returns:
+            The weight's `(columns, rows)`.
+        """
+        d_out, d_in = slot.weight.shape
+        return d_in, d_out
+
+    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> Any:
+        """Return the random state before a call whose dropout must be replayed.
+
+        Args:
+            module: The attention module.
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+
+        Returns:
+            The random state (`replay.random_state`), or None without dropout.
+        """
+        if not (module.training and (module.attention_dropout or module.dropout)):
+            return None
+        return random_state(_input(args, kwargs).device)
+
+    def forward_uses(
+        self,
+        module: Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        output: Any,
+        before: Any,
+    ) -> tuple[list[Use], Any]:
+        """Recompute the output with `qkv` and `proj` exposed (module docs).
+
+        Args:
+            module: The attention module, after its forward call.
+            args: Positional arguments of the call.
+            kwargs: Keyword arguments of the call.
+            output: The module's output.
+            before: The random state from `before_forward`.
+
+        Returns:
+            The two slots' uses and the recomputed output.
+        """
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return [], None
+        x = _input(args, kwargs)
+        recorder = _SlotRecorder(module, images=x.shape[0])
+        with recorder:
+            recomputed = replayed(
+                before, x.device, lambda: module.forward(*args, **kwargs)
+            )
+        return recorder.uses, recomputed
+
+    def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Tensor:
+        """Return the rows of a slot's input, with its bias column.
+
+        Args:
+            module: The attention module.
+            use: A use from `forward_uses`.
+            kfac_approx: `"expand"` or `"reduce"`.
+
+        Returns:
+            The linear layer's rows.
+        """
+        bias = getattr(module, use.slot).bias
+        return statistics.input_rows(use.x, kfac_approx, bias=bias is not None)
+
+
+def _input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    """Return the attention's input `[B, H, W, C]` from its call's arguments.
+
+    Args:
+        args: Positional arguments of the call.
+        kwargs: Keyword arguments of the call.
+
+    Returns:
+        The input tensor.
+    """
+    return args[0] if args else kwargs["x"]
+
+
+class _SlotRecorder(TorchFunctionMode):
+    """Apply the slots' `F.linear` calls to rows grouped by image; record them.
+
+    Args:
+        module: The attention module.
+        images: The batch size `B` of its input.
+    """
+
+    def __init__(self, module: Module, images: int) -> None:
+        super().__init__()
+        self.slots = {name: getattr(module, name).weight for name in _SLOTS}
+        self.images = images
+        self.uses: list[Use] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
+        """Intercept `F.linear` with a slot's weight; run everything else as is."""
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            for name, slot_weight in self.slots.items():
+                if weight is slot_weight:
+                    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                    return self._apply(name, x, weight, bias)
+        return func(*args, **kwargs)
+
+    def _apply(
+        self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        """Apply a slot to the rows of `x` grouped by image; record the use.
+
+        Args:
+            name: The slot.
+            x: Its input in the module's layout, `[B n_W, N, C]`.
+            weight: Its weight.
+            bias: The bias the module passes (V2's with a zeroed key third).
+
+        Returns:
+            The product in the module's layout.
+        """
+        grouped = x.reshape(self.images, -1, x.shape[-1])  # [B, n_W N, C]
+        y = F.linear(grouped, weight, bias)  # (the mode is off inside its handler)
+        self.uses.append(Use(name, grouped.detach(), y))
+        return y.reshape(*x.shape[:-1], y.shape[-1])

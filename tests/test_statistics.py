@@ -13,7 +13,7 @@ from curvlinops import KFACLinearOperator
 from curvlinops.kfac import FisherType
 from torch import Tensor, nn
 
-from singd_curvlinops import statistics
+from singd_curvlinops import KFAC, statistics
 from singd_curvlinops.layers import Conv2dAdapter, LinearAdapter, adapter_for
 
 RTOL = 1e-12
@@ -183,3 +183,38 @@ def test_factor_dims_and_support() -> None:
     assert isinstance(adapter_for(nn.Conv2d(1, 1, 3)), Conv2dAdapter)
     assert adapter_for(nn.Conv2d(1, 1, 3, padding=1, padding_mode="reflect")) is None
     assert adapter_for(nn.BatchNorm1d(3)) is None
+
+
+class _PartOfTheBatch(nn.Module):
+    """An expert on every third example and a layer on a buffer (no batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.expert = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.table_layer, self.head = nn.Linear(2, 4), nn.Linear(4, 3)
+        self.register_buffer("table", torch.randn(1, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.first(x))
+        routed = torch.arange(x.shape[0]) % 3 == 0
+        expert = torch.zeros_like(h).index_put((routed,), self.expert(h[routed]))
+        return self.head(h + expert + self.table_layer(self.table))
+
+
+def test_layers_on_part_of_the_batch_keep_their_own_examples() -> None:
+    """The documented difference (layers guide): for a layer that sees `n` of the
+    batch's `N` examples, curvlinops' factors are both `n / N` times ours; for the
+    layers that see the whole batch they are equal."""
+    torch.manual_seed(0)
+    model = _PartOfTheBatch().double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    optimizer = KFAC(model, T=1, lr=0.0, fallback="sgd")
+    nn.functional.cross_entropy(model(X), y).backward()
+    optimizer.step()
+    model.zero_grad()
+    inputs, gradients = curvlinops_factors(model, X, y, nn.CrossEntropyLoss(), "expand")
+    seen = {"first": 6, "expert": 2, "table_layer": 1, "head": 6}
+    for layer in optimizer.layers:
+        state, ratio = optimizer.state[layer.weight], seen[layer.name] / 6
+        assert_close(ratio * state["A.mat"], inputs[layer.name], layer.name)
+        assert_close(ratio * state["G.mat"], gradients[layer.name], layer.name)

@@ -72,7 +72,9 @@ class Use:
         x: Its input, batch (example) dimension first, in the adapter's layout.
         output: The tensor whose gradient is the slot's output gradient (None
             in the copy that its gradient hook holds, which must not reference
-            the tensor itself).
+            the tensor itself). If it is a view that covers all of its base (a
+            linear layer's product on more than two dimensions), the hook sits on
+            the base (`hooks.hook_gradient`), which nothing else may use.
         out_rows: Which of the slot's output features `output` holds (None: all),
             e.g. the query rows of a packed attention projection.
         batch_dim: The batch dimension of `output` (and of its gradient).

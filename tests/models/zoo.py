@@ -59,6 +59,24 @@ def vit_tiny() -> Problem:
     return _classifier(model, *_images())
 
 
+def swin() -> Problem:
+    """torchvision's Swin in `swin_t`'s layout at a quarter of its width, with
+    windows of 4 (shifted ones on the first stage's 8 x 8 patches). (Swin V2's
+    attention is tested in `tests/layers/test_window_attention.py`.)"""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    model = SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=24,
+        depths=[2, 2, 6, 2],
+        num_heads=[3, 6, 12, 24],
+        window_size=[4, 4],
+        stochastic_depth_prob=0.2,
+        num_classes=CLASSES,
+    )
+    return _classifier(model, *_images())
+
+
 def convnext_atto() -> Problem:
     import timm
 
@@ -150,6 +168,7 @@ MODELS: dict[str, Callable[[], Problem]] = {
     "mobilenet_v3_small": mobilenet_v3_small,
     "vit_tiny": vit_tiny,
     "convnext_atto": convnext_atto,
+    "swin": swin,
     "transformer_encoder": transformer_encoder,
     "llama": llama,
     "gpt2": gpt2,

@@ -3,7 +3,7 @@
 `adapter_for(module)` asks the registered adapters in order, users' first (so a
 user's adapter may take over a subclass of a built-in type), then `Linear`,
 `Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D`, PyG's
-`GCNConv` and torchvision's Swin window attention. `register_layer` adds an
+`GCNConv` and torchvision's Swin V1 window attention. `register_layer` adds an
 adapter; see the docs page "Adding a layer type".
 """
 

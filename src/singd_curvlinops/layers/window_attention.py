@@ -1,13 +1,12 @@
-r"""torchvision's Swin attention: `qkv` and `proj` as linear layers on window rows.
+r"""torchvision's Swin attention (V1): `qkv` and `proj` as linear layers on window rows.
 
-`torchvision.models.swin_transformer.ShiftedWindowAttention` (Swin V1) and
-`ShiftedWindowAttentionV2` hold two `torch.nn.Linear` children, `qkv` and `proj`,
-but apply their weights inside the function `shifted_window_attention` through
-`torch.nn.functional.linear`, on the input cut into windows: the children's hooks
-never run. The adapter treats the attention module as a holder of two slots,
-`qkv` and `proj` (layer names `<module>.qkv`, `<module>.proj`, as the children's);
-the relative position bias table, V2's `logit_scale` and V2's `cpb_mlp` (which
-the module calls as modules) are not slots.
+`torchvision.models.swin_transformer.ShiftedWindowAttention` (Swin V1) holds two
+`torch.nn.Linear` children, `qkv` and `proj`, but applies their weights inside the
+function `shifted_window_attention` through `torch.nn.functional.linear`, on the
+input cut into windows: the children's hooks never run. The adapter treats the
+attention module as a holder of two slots, `qkv` and `proj` (layer names
+`<module>.qkv`, `<module>.proj`, as the children's); the relative position bias
+table is not a slot (it goes to the fallback rule).
 
 **Rows.** The module pads its input `[B, H, W, C]` to whole windows, shifts it,
 and applies `qkv` to `[B n_W, N, C]` (`n_W` windows of `N` positions each, the
@@ -29,10 +28,16 @@ state of the original call is replayed (`replay`). Outputs and gradients equal
 the unmodified module's (tested to 1e-12 in float64). The cost: the attention's
 forward runs twice on collecting passes (every `T` steps).
 
-**V2's key bias.** V2 zeroes the key third of the `qkv` bias inside the
-function (cosine attention does not use it): that third has zero gradient, and
-the Kronecker-factored preconditioner, which mixes the rows of the gradient
-matrix, may still move it. It never changes the module's output.
+**Not Swin V2.** `ShiftedWindowAttentionV2` is left out (its `qkv` and `proj`
+keep the "received no statistics" warning of functionally applied layers): it
+zeroes the key third of the `qkv` bias inside the function and normalises the
+keys, so at padded positions the key is the zero vector and its output gradient
+is about `1/eps` (1e12). Those positions add nothing to any parameter's gradient
+(their input is zero, that bias is unused), but as rows of `G` they made the
+key rows' curvature about 1e20 to 1e24 (KFAC and EKFAC stopped training the key
+weights, float32 SINGD overflowed), and the unused key bias entered EKFAC's
+per-example gradients. Supporting V2 needs a weight-only `qkv` without those
+rows; it is left for an issue (2026-12-02).
 """
 
 from __future__ import annotations
@@ -54,43 +59,42 @@ _SWIN = "torchvision.models.swin_transformer"
 _SLOTS = ("qkv", "proj")
 
 
-def _attention_classes() -> tuple[type[Module], ...]:
-    """Return torchvision's window attention classes, V2 first (a V1 subclass).
+def _attention_class() -> type[Module] | None:
+    """Return torchvision's `ShiftedWindowAttention` (Swin V1).
 
     Returns:
-        `(ShiftedWindowAttentionV2, ShiftedWindowAttention)`, or `()` while
-        torchvision's Swin module has not been imported (no model can hold one).
+        The class, or None while torchvision's Swin module has not been imported
+        (no model can hold one then).
     """
     swin = sys.modules.get(_SWIN)
-    if swin is None:
-        return ()
-    return swin.ShiftedWindowAttentionV2, swin.ShiftedWindowAttention
+    return None if swin is None else swin.ShiftedWindowAttention
 
 
 class ShiftedWindowAttentionAdapter(LayerAdapter):
-    """torchvision's Swin window attention, V1 and V2: `qkv`, `proj` (module docs)."""
+    """torchvision's Swin V1 window attention: `qkv` and `proj` (module docs)."""
 
-    description = "torchvision's ShiftedWindowAttention (Swin V1, V2)"
+    description = "torchvision's ShiftedWindowAttention (Swin V1)"
     needs_before_forward = True
     unbatched_dims = None
 
     def matches(self, module: Module) -> bool:
-        """Return whether `module` is one of torchvision's window attentions.
+        """Return whether `module` is torchvision's Swin V1 window attention.
 
         Args:
             module: A submodule of the model.
 
         Returns:
-            True for `ShiftedWindowAttention`, `ShiftedWindowAttentionV2` and
-            subclasses that keep their class's `forward`, with `Linear` children
-            `qkv` and `proj`.
+            True for `ShiftedWindowAttention` and subclasses that keep its
+            `forward` (not `ShiftedWindowAttentionV2`: module docs), with
+            `Linear` children `qkv` and `proj`.
         """
-        for base in _attention_classes():
-            if isinstance(module, base):
-                return plain_forward(module, base) and all(
-                    isinstance(getattr(module, name, None), Linear) for name in _SLOTS
-                )
-        return False
+        base = _attention_class()
+        return (
+            base is not None
+            and isinstance(module, base)
+            and plain_forward(module, base)
+            and all(isinstance(getattr(module, name, None), Linear) for name in _SLOTS)
+        )
 
     def weight(self, module: Module) -> Parameter:
         """Return `qkv.weight` (for messages).
@@ -260,7 +264,7 @@ class _SlotRecorder(TorchFunctionMode):
             name: The slot.
             x: Its input in the module's layout, `[B n_W, N, C]`.
             weight: Its weight.
-            bias: The bias the module passes (V2's with a zeroed key third).
+            bias: The bias the module passes.
 
         Returns:
             The product in the module's layout.

@@ -104,8 +104,11 @@ def our_factors(model: nn.Module, X: Tensor, y: Tensor, loss_func, approx, avera
     return factors
 
 
-def curvlinops_factors(model, X, y, loss_func, approx):
-    params = [p for p in model.parameters() if p.requires_grad]
+def curvlinops_factors(model, X, y, loss_func, approx, params=None):
+    """curvlinops' `(input, gradient)` covariances by layer name (empirical Fisher);
+    `params`: the parameters (default: all trainable ones)."""
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     kfac = KFACLinearOperator(
         model,
         loss_func,

@@ -13,13 +13,12 @@ import copy
 import pytest
 import torch
 import torchvision.models.swin_transformer as swin
-from curvlinops import KFACLinearOperator
-from curvlinops.kfac import FisherType
 from torch import Tensor, nn
 
 from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.layers import ShiftedWindowAttentionAdapter, adapter_for
 from tests.layers._helpers import kfac_factors
+from tests.test_statistics import curvlinops_factors
 
 B = 3
 
@@ -148,24 +147,19 @@ class _ModuleCalls:
 def _curvlinops_factors(model, X, y, approx, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(swin, "F", _ModuleCalls(model))
-        kfac = KFACLinearOperator(
+        return curvlinops_factors(
             model,
+            X,
+            y,
             nn.CrossEntropyLoss(),
-            [  # (curvlinops takes the parameters of its layer types only)
+            approx,
+            params=[  # (curvlinops takes the parameters of its layer types only)
                 p
                 for m in model.modules()
                 if isinstance(m, (nn.Linear, nn.Conv2d))
                 for p in m.parameters()
             ],
-            [(X, y)],
-            fisher_type=FisherType.EMPIRICAL,
-            kfac_approx=approx,
-            separate_weight_and_bias=False,
-            check_deterministic=False,
         )
-        kfac.compute_kronecker_factors()
-    state = kfac.state_dict()
-    return state["input_covariances"], state["gradient_covariances"]
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])

@@ -9,6 +9,7 @@ with `F.linear`: curvlinops' own hooks then see the two layers.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -89,8 +90,20 @@ def test_swin_v2_attention_is_not_matched() -> None:
     optimizer = SINGD(model, T=1)
     X, y = _data()
     nn.functional.cross_entropy(model(X), y).backward()
-    with pytest.warns(UserWarning, match="attn.qkv' received no statistics"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         optimizer.step()
+    warned = {
+        str(w.message).split("'")[1]
+        for w in caught
+        if "no statistics" in str(w.message)
+    }
+    assert warned == {
+        f"features.{s}.{b}.attn.{n}"
+        for s in (1, 3)
+        for b in (0, 1)
+        for n in ("qkv", "proj")
+    }
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

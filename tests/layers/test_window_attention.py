@@ -80,30 +80,57 @@ def test_a_subclass_with_its_own_forward_is_not_matched() -> None:
     assert adapter_for(attention.qkv) is not None  # its children stay linear layers
 
 
-def test_swin_v2_attention_is_not_matched() -> None:
-    """V2 is left out (module docs of `window_attention`): its children keep the
-    warning of layers that receive no statistics."""
+def _v2_projections(model: nn.Module) -> set[nn.Parameter]:
+    return {
+        p
+        for attention in _attentions(model)
+        for child in (attention.qkv, attention.proj)
+        for p in child.parameters()
+    }
+
+
+def test_swin_v2_projections_go_to_the_fallback_rule() -> None:
+    """V2 has no adapter (module docs of `window_attention`): it applies `qkv` and
+    `proj` with `F.linear`, so they go to the fallback rule, as the children of
+    an unmatched `nn.MultiheadAttention` do, instead of warning at every step."""
     torch.manual_seed(0)
     model = tiny_swin(2)
     for attention in _attentions(model):
         assert adapter_for(attention) is None
     optimizer = SINGD(model, T=1)
+    projections = _v2_projections(model)
+    assert len(projections) == 16  # 4 attentions, weight and bias of 2 children
+    assert projections <= set(optimizer.fallback_params)
+    layered = {p for layer in optimizer.layers for p in layer.params}
+    assert not projections & layered
+    assert any("cpb_mlp" in layer.name for layer in optimizer.layers)
+    before = {p: p.detach().clone() for p in projections}
     X, y = _data()
-    nn.functional.cross_entropy(model(X), y).backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        optimizer.step()
-    warned = {
-        str(w.message).split("'")[1]
-        for w in caught
-        if "no statistics" in str(w.message)
-    }
-    assert warned == {
-        f"features.{s}.{b}.attn.{n}"
-        for s in (1, 3)
-        for b in (0, 1)
-        for n in ("qkv", "proj")
-    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "received no statistics", nothing
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(X), y).backward()
+            optimizer.step()
+    weights = [attention.qkv.weight for attention in _attentions(model)]
+    assert all(not torch.equal(w, before[w]) for w in weights)
+
+
+class _V2CallingChildren(swin.ShiftedWindowAttentionV2):
+    """A V2 whose own `forward` may call its children as modules."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x)
+
+
+def test_a_v2_subclass_with_its_own_forward_keeps_its_children() -> None:
+    attention = _V2CallingChildren(8, [3, 3], [1, 1], 2)
+    optimizer = SINGD(nn.Sequential(attention), T=1)
+    names = {layer.name for layer in optimizer.layers}
+    assert {"0.qkv", "0.proj"} <= names
+    assert not {attention.qkv.weight, attention.proj.weight} & set(
+        optimizer.fallback_params
+    )
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

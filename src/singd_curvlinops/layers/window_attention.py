@@ -28,16 +28,18 @@ state of the original call is replayed (`replay`). Outputs and gradients equal
 the unmodified module's (tested to 1e-12 in float64). The cost: the attention's
 forward runs twice on collecting passes (every `T` steps).
 
-**Not Swin V2.** `ShiftedWindowAttentionV2` is left out (its `qkv` and `proj`
-keep the "received no statistics" warning of functionally applied layers): it
-zeroes the key third of the `qkv` bias inside the function and normalises the
-keys, so at padded positions the key is the zero vector and its output gradient
-is about `1/eps` (1e12). Those positions add nothing to any parameter's gradient
-(their input is zero, that bias is unused), but as rows of `G` they made the
-key rows' curvature about 1e20 to 1e24 (KFAC and EKFAC stopped training the key
-weights, float32 SINGD overflowed), and the unused key bias entered EKFAC's
-per-example gradients. Supporting V2 needs a weight-only `qkv` without those
-rows; it is left for an issue (2026-12-02).
+**Not Swin V2.** `ShiftedWindowAttentionV2` has no adapter: its `qkv` and
+`proj` go to the fallback rule (`applied_functionally`; until 2026-12-02 they
+were layers that received no statistics and warned). V2 zeroes the key third
+of the `qkv` bias inside the function and normalises the keys, so at padded
+positions the key is the zero vector and its output gradient is about `1/eps`
+(1e12). Those positions add nothing to any parameter's gradient (their input
+is zero, that bias is unused), but as rows of `G` they made the key rows'
+curvature about 1e20 to 1e24 in an audit of an adapter that took V2 too (KFAC
+and EKFAC stopped training the key weights, float32 SINGD overflowed), and the
+unused key bias entered EKFAC's per-example gradients. Preconditioning V2's
+projections needs a weight-only `qkv` without those rows; it is left for an
+issue (2026-12-02).
 """
 
 from __future__ import annotations
@@ -68,6 +70,30 @@ def _attention_class() -> type[Module] | None:
     """
     swin = sys.modules.get(_SWIN)
     return None if swin is None else swin.ShiftedWindowAttention
+
+
+def applied_functionally(module: Module) -> tuple[Module, ...]:
+    """Return the children that torchvision's Swin V2 attention applies itself.
+
+    `ShiftedWindowAttentionV2` (module docs: no adapter) applies its `qkv` and
+    `proj` with `F.linear`, so no module hook sees them: `layers.find_sites`
+    gives their parameters to the fallback rule, as it does for an unmatched
+    `nn.MultiheadAttention`'s children, instead of stepping them with
+    factors that never receive statistics.
+
+    Args:
+        module: A submodule of the model.
+
+    Returns:
+        `(qkv, proj)` for V2 and subclasses that keep its `forward`; else `()`.
+    """
+    swin = sys.modules.get(_SWIN)
+    if swin is None or not isinstance(module, swin.ShiftedWindowAttentionV2):
+        return ()
+    if not plain_forward(module, swin.ShiftedWindowAttentionV2):
+        return ()  # (a forward of its own may call them as modules)
+    children = (getattr(module, name, None) for name in _SLOTS)
+    return tuple(child for child in children if isinstance(child, Module))
 
 
 class ShiftedWindowAttentionAdapter(LayerAdapter):

@@ -5,10 +5,12 @@ applies it asks the module's adapter for the *uses* of the call (input and outpu
 of each application of a slot; `LayerAdapter.forward_uses`) and installs a tensor
 hook on each use's output (`hooks.hook_gradient`: it also runs if the output is
 changed in place later; no module backward hooks: they break in-place
-activations). In the backward pass that hook turns input and output gradient into
-the rows \(a\), \(\tilde g\) (the adapter, curvlinops' conventions), brings them
-into the layer's layout (bias column, output rows of a partial use) and hands them
-to the optimizer's rule, which forms one use's statistics \((H_K, H_C)\). Uses
+activations). In the first backward pass that computes the layer's parameter
+gradients (`hooks.UsePasses`: not a gradient penalty's `autograd.grad` w.r.t. the
+inputs) that hook turns input and output gradient into the rows \(a\), \(\tilde g\)
+(the adapter, curvlinops' conventions), brings them into the layer's layout (bias
+column, output rows of a partial use) and hands them to the optimizer's rule,
+which forms one use's statistics \((H_K, H_C)\). Uses
 accumulate in a `PendingStatistics` record (`singd_curvlinops.pending`: uses of one
 backward pass concatenate, passes average), scaled at hand-out by \(\nu(N)\)
 (`statistics.gradient_scale`) and the gradient-scale correction; a layer with
@@ -46,6 +48,8 @@ from singd_curvlinops.grad_scaling import without_autocast
 from singd_curvlinops.hooks import (
     ModuleHook,
     PreHook,
+    UsePasses,
+    gradient_nodes,
     hook_gradient,
     own_parameters,
     remove_hook,
@@ -204,31 +208,46 @@ class StatisticsCollector:
             module, args, kwargs, output, before
         )
         uses = [use.batch_first(site.batch_dim, site.sequence) for use in uses]
+        nodes = {entry.layer: gradient_nodes(entry.layer.params) for entry, _ in active}
         for use in uses:
             # the hook must not hold its own tensor: autograd keeps tensor hooks in
             # C++, where gc cannot see the cycle (activations would be kept)
             record = replace(use, output=None)
             for entry, plan in active:
                 if entry.site.slot.name == use.slot:
-                    hook_gradient(
-                        use.output, partial(self._accumulate, entry, record, plan)
-                    )
+                    passes = UsePasses(nodes[entry.layer])
+                    hook = partial(self._accumulate, entry, record, plan, passes)
+                    hook_gradient(use.output, hook)
         return replacement
 
     @torch.compiler.disable
     def _accumulate(
-        self, entry: _Entry, use: Use, plan: CollectionPlan, grad_output: Tensor
+        self,
+        entry: _Entry,
+        use: Use,
+        plan: CollectionPlan,
+        passes: UsePasses,
+        grad_output: Tensor,
     ) -> None:
         r"""Add one use's \(H_K\), \(H_C\) to its layer's pending statistics.
+
+        Only in the first backward pass that computes its gradients (`UsePasses`).
 
         Args:
             entry: The layer's site on the module.
             use: The application.
             plan: What to collect.
+            passes: Which backward pass the use's rows come from.
             grad_output: The gradient w.r.t. the use's output.
         """
         if self.hooks.removed is not None or not grad_output.numel():
             return  # hooks removed since the forward pass, or an empty batch
+        decision = passes.decide(backward_pass_id())
+        if decision == "repeat" and f"repeat {entry.layer.name}" not in self._warned:
+            self._warned.add(f"repeat {entry.layer.name}")
+            warn(UsePasses.repeated(self.hooks.owner, entry.layer.name))
+        if decision != "collect":
+            return
         with torch.no_grad(), without_autocast(grad_output.device):
             site = entry.site
             dtype_a, dtype_g = plan.dtypes[::-1] if site.transposed else plan.dtypes

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
 
@@ -64,6 +67,112 @@ def hook_gradient(output: Tensor, hook: Callable[[Tensor], None]) -> None:
         return
     shape = output.shape  # (the hook must not hold `output` itself)
     base.register_hook(lambda grad: hook(grad.reshape(shape)))
+
+
+def gradient_nodes(params: Sequence[Tensor]) -> tuple[Any, ...]:
+    """Return the autograd nodes that receive the gradients of leaf parameters.
+
+    Args:
+        params: A layer's trained parameters.
+
+    Returns:
+        Their gradient accumulators (`torch.autograd.graph.get_gradient_edge`);
+        none for FSDP2's row shards (`DTensor`s), whose forward pass uses
+        unsharded copies with accumulators of their own: every pass collects.
+    """
+    if any(isinstance(p, DTensor) for p in params):
+        return ()
+    return tuple(get_gradient_edge(p).node for p in params if p.requires_grad)
+
+
+def parameter_gradient(nodes: Sequence[Any]) -> str | None:
+    """Return how the running backward pass computes a gradient for `nodes`.
+
+    `backward()` runs every accumulator it reaches; `backward(inputs=...)` and
+    `torch.autograd.grad(outputs, inputs)` run only what their `inputs` need, so
+    a gradient penalty's `autograd.grad` w.r.t. the network's inputs, or one
+    w.r.t. a layer's output, does not reach the layer's parameters (None).
+    `autograd.grad` w.r.t. the parameters themselves captures their gradients
+    without running the accumulators; torch then raises for the leaf.
+
+    Args:
+        nodes: From `gradient_nodes`, taken in the forward pass.
+
+    Returns:
+        `"accumulated"` (into `.grad`; also where torch cannot tell),
+        `"captured"` (returned by `autograd.grad`), or None.
+
+    Raises:
+        RuntimeError: If torch raises for another reason than a captured leaf.
+    """
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None or not nodes:  # pragma: no cover - torch has it
+        return "accumulated"
+    for node in nodes:
+        try:
+            if will_execute(node):
+                return "accumulated"
+        except RuntimeError as error:  # a leaf that `autograd.grad` captures
+            if "autograd.grad" not in str(error):  # pragma: no cover
+                raise
+            return "captured"
+    return None
+
+
+@dataclass(eq=False)
+class UsePasses:
+    """Which backward pass gives one use of a layer (in one forward call) its rows.
+
+    Attributes:
+        nodes: `gradient_nodes` of the layer's parameters, taken in the forward.
+        pass_id: The backward pass that contributed (None: none yet).
+    """
+
+    nodes: tuple[Any, ...]
+    pass_id: int | None = None
+
+    def decide(self, pass_id: int | None) -> str:
+        """Return what the running backward pass does with the use's gradient.
+
+        The first pass that computes the layer's parameter gradients collects;
+        a later one is left out: it is named (`"repeat"`) if it accumulates them
+        into `.grad` (`backward(retain_graph=True)` twice, or `autograd.grad`
+        for the parameters before `backward()`), not if `autograd.grad` returns
+        them (curvlinops' Monte-Carlo samples, one pass each, on a model that
+        the optimizer hooks).
+
+        Args:
+            pass_id: Autograd's id of the running pass (`pending.backward_pass_id`).
+
+        Returns:
+            `"collect"`, `"skip"` or `"repeat"` (skipped with a warning).
+        """
+        kind = parameter_gradient(self.nodes)
+        if kind is None:
+            return "skip"
+        if self.pass_id is not None and self.pass_id != pass_id:
+            return "repeat" if kind == "accumulated" else "skip"
+        self.pass_id = pass_id
+        return "collect"
+
+    @staticmethod
+    def repeated(owner: str, name: str) -> str:
+        """Return the warning for a layer's `"repeat"` (once per layer).
+
+        Args:
+            owner: The optimizer's class name.
+            name: The layer's name.
+
+        Returns:
+            The message, with the remedy.
+        """
+        return (
+            f"{owner}: layer {name!r} got gradients of one forward pass in two "
+            "backward passes that computed its parameters' gradients "
+            "(backward(retain_graph=True) twice, or autograd.grad for the "
+            "parameters before backward()); its statistics keep the first pass. "
+            "For several losses, sum them and call backward() once."
+        )
 
 
 class ModuleHook:

@@ -19,6 +19,7 @@ from curvlinops import FisherType, KFACLinearOperator
 from torch import Tensor, nn
 
 from singd_curvlinops import KFAC
+from singd_curvlinops.hooks import UsePasses
 
 Passes = Callable[[nn.Sequential, Tensor, Tensor], None]
 
@@ -70,6 +71,26 @@ def parameter_gradients_twice(net: nn.Sequential, X: Tensor, y: Tensor) -> None:
         param.grad = grad
 
 
+def penalty_on_the_parameter_gradients(
+    net: nn.Sequential, X: Tensor, y: Tensor
+) -> None:
+    """`autograd.grad(..., create_graph=True)` for the parameters: the training
+    pass differentiates its result again, and collects."""
+    loss, params = _loss(net, X, y), list(net.parameters())
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    (loss + 0.0 * sum(grad.square().sum() for grad in grads)).backward()
+
+
+def backward_split_over_the_parameters(
+    net: nn.Sequential, X: Tensor, y: Tensor
+) -> None:
+    """Weights in one pass, biases in another: no gradient is computed twice."""
+    loss = _loss(net, X, y)
+    weights = [m.weight for m in net if isinstance(m, nn.Linear)]
+    loss.backward(inputs=weights, retain_graph=True)
+    loss.backward(inputs=[m.bias for m in net if isinstance(m, nn.Linear)])
+
+
 def twice(net: nn.Sequential, X: Tensor, y: Tensor) -> None:
     loss = _loss(net, X, y)
     loss.backward(retain_graph=True)
@@ -110,6 +131,8 @@ def factors_after(passes: Passes) -> tuple[list[Tensor], list[str]]:
         backward_for_the_inputs_first,
         functional_gradients,
         parameter_gradients_twice,
+        penalty_on_the_parameter_gradients,
+        backward_split_over_the_parameters,
     ],
 )
 def test_passes_without_parameter_gradients_add_nothing(passes: Passes) -> None:
@@ -171,3 +194,9 @@ def test_a_penalty_reaches_the_statistics_through_the_training_pass() -> None:
     K_0, C_0 = factors[:2]
     torch.testing.assert_close(K_0, expected[0], rtol=1e-13, atol=0)  # inputs
     assert not torch.allclose(C_0, expected[1], rtol=1e-3, atol=0)
+
+
+def test_without_gradient_nodes_every_pass_collects() -> None:
+    """FSDP2's row shards (`gradient_nodes` gives none): as before 2026-12-02."""
+    passes = UsePasses(())
+    assert [passes.decide() for _ in range(3)] == ["collect"] * 3

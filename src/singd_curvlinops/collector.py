@@ -242,7 +242,7 @@ class StatisticsCollector:
         """
         if self.hooks.removed is not None or not grad_output.numel():
             return  # hooks removed since the forward pass, or an empty batch
-        decision = passes.decide(backward_pass_id())
+        decision = passes.decide()
         if decision == "repeat" and f"repeat {entry.layer.name}" not in self._warned:
             self._warned.add(f"repeat {entry.layer.name}")
             warn(UsePasses.repeated(self.hooks.owner, entry.layer.name))

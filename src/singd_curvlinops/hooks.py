@@ -85,13 +85,13 @@ def gradient_nodes(params: Sequence[Tensor]) -> tuple[Any, ...]:
     return tuple(get_gradient_edge(p).node for p in params if p.requires_grad)
 
 
-def parameter_gradient(nodes: Sequence[Any]) -> str | None:
-    """Return how the running backward pass computes a gradient for `nodes`.
+def reached_parameters(nodes: Sequence[Any]) -> tuple[str, ...]:
+    """Return how the running backward pass computes each parameter's gradient.
 
     `backward()` runs every accumulator it reaches; `backward(inputs=...)` and
     `torch.autograd.grad(outputs, inputs)` run only what their `inputs` need, so
     a gradient penalty's `autograd.grad` w.r.t. the network's inputs, or one
-    w.r.t. a layer's output, does not reach the layer's parameters (None).
+    w.r.t. a layer's output, reaches none of the layer's parameters.
     `autograd.grad` w.r.t. the parameters themselves captures their gradients
     without running the accumulators; torch then raises for the leaf.
 
@@ -99,61 +99,71 @@ def parameter_gradient(nodes: Sequence[Any]) -> str | None:
         nodes: From `gradient_nodes`, taken in the forward pass.
 
     Returns:
-        `"accumulated"` (into `.grad`; also where torch cannot tell),
-        `"captured"` (returned by `autograd.grad`), or None.
+        Per node `"accumulated"` (into `.grad`; also where torch cannot tell),
+        `"captured"` (returned by `autograd.grad`) or `""` (not computed).
 
     Raises:
         RuntimeError: If torch raises for another reason than a captured leaf.
     """
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-    if will_execute is None or not nodes:  # pragma: no cover - torch has it
-        return "accumulated"
+    if will_execute is None:  # pragma: no cover - every supported torch has it
+        return ("accumulated",) * len(nodes)
+    reached = []
     for node in nodes:
         try:
-            if will_execute(node):
-                return "accumulated"
+            reached.append("accumulated" if will_execute(node) else "")
         except RuntimeError as error:  # a leaf that `autograd.grad` captures
             if "autograd.grad" not in str(error):  # pragma: no cover
                 raise
-            return "captured"
-    return None
+            reached.append("captured")
+    return tuple(reached)
 
 
 @dataclass(eq=False)
 class UsePasses:
     """Which backward pass gives one use of a layer (in one forward call) its rows.
 
+    A tensor hook runs once per backward pass, so every call of `decide` is
+    another pass of the same forward call.
+
     Attributes:
         nodes: `gradient_nodes` of the layer's parameters, taken in the forward.
-        pass_id: The backward pass that contributed (None: none yet).
+        reached: What the collecting pass computed (`reached_parameters`), or
+            None before it.
     """
 
     nodes: tuple[Any, ...]
-    pass_id: int | None = None
+    reached: tuple[str, ...] | None = None
 
-    def decide(self, pass_id: int | None) -> str:
+    def decide(self) -> str:
         """Return what the running backward pass does with the use's gradient.
 
-        The first pass that computes the layer's parameter gradients collects;
-        a later one is left out: it is named (`"repeat"`) if it accumulates them
-        into `.grad` (`backward(retain_graph=True)` twice, or `autograd.grad`
-        for the parameters before `backward()`), not if `autograd.grad` returns
-        them (curvlinops' Monte-Carlo samples, one pass each, on a model that
-        the optimizer hooks).
-
-        Args:
-            pass_id: Autograd's id of the running pass (`pending.backward_pass_id`).
+        - A pass that computes no gradient of the layer's parameters adds
+          nothing, nor does `autograd.grad(..., create_graph=True)` for them (a
+          penalty on the parameter gradients, a meta-learning inner step): the
+          training pass differentiates its result again, and collects.
+        - Of the others, the first collects. A later one is left out; it is
+          named (`"repeat"`) if it accumulates into `.grad` a gradient that the
+          first one computed too (`backward(retain_graph=True)` twice, or
+          `autograd.grad` for the parameters before `backward()`); repeated
+          `autograd.grad` calls (curvlinops' Monte-Carlo samples on a model that
+          the optimizer hooks) are left out silently.
+        - Under FSDP2 (no `nodes`) every pass collects, as before 2026-12-02.
 
         Returns:
             `"collect"`, `"skip"` or `"repeat"` (skipped with a warning).
         """
-        kind = parameter_gradient(self.nodes)
-        if kind is None:
+        if not self.nodes:
+            return "collect"
+        reached = reached_parameters(self.nodes)
+        if not any(reached) or ("captured" in reached and torch.is_grad_enabled()):
             return "skip"
-        if self.pass_id is not None and self.pass_id != pass_id:
-            return "repeat" if kind == "accumulated" else "skip"
-        self.pass_id = pass_id
-        return "collect"
+        if self.reached is None:
+            self.reached = reached
+            return "collect"
+        pairs = zip(self.reached, reached, strict=True)
+        again = any(first and now == "accumulated" for first, now in pairs)
+        return "repeat" if again else "skip"
 
     @staticmethod
     def repeated(owner: str, name: str) -> str:

@@ -33,7 +33,10 @@ its factor verdicts, before it preconditions (`settle_factors`).
 Under a distribution strategy whose ranks decide apart (the owners of
 `distribute="shard"`, FSDP2's row shards), the verdicts are agreed on (a
 minimum over the ranks) before they count, so that every rank applies, counts
-and reports the same events.
+and reports the same events. A sharded step without FSDP2 carries the verdicts
+on the inputs and the factor updates in its `all_gather` (`shared_verdicts`,
+`adopt`): the parameter steps, which every rank applies from the same gathered
+numbers, need no agreement, and the step saves an all-reduce.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class StepGuard:
         self._factors: dict[tuple[Layer, int], Verdict] = {}
         self._updates: dict[Layer | Parameter, Verdict] = {}
         self._deferred: list[tuple[Any, Verdict, Callable[[Tensor], None]]] = []
+        self._adopted: list[bool] | None = None  # (`adopt`)
 
     # -------------------------------------------------------------- checking
     def require(self, ok: Tensor) -> None:
@@ -243,6 +247,44 @@ class StepGuard:
                 self._updates[key] = verdict
         self._deferred.clear()
 
+    # ---------------------------------------------------- sharing the verdicts
+    @property
+    def shareable(self) -> bool:
+        """Whether the ranks decide alike on everything but inputs and factors.
+
+        True without FSDP2's row shards (of layers or fallback parameters): every
+        rank then applies the same gathered steps to the same parameters, so
+        only the inputs' and the owners' factor verdicts differ between ranks,
+        and a sharded step can carry them in its `all_gather` (`adopt`).
+        """
+        sharded = any(is_sharded(layer) for layer in self.layers)
+        return not sharded and not any(isinstance(p, DTensor) for _, p in self.fallback)
+
+    def factor_keys(self) -> list[tuple[Layer, int]]:
+        """Return `(layer, side)` of every side of every updated layer, in order."""
+        pairs = zip(self.layers, self.due, strict=True)
+        return [(layer, side) for layer, due in pairs if due for side in (0, 1)]
+
+    def shared_verdicts(self) -> Tensor:
+        """Return this rank's verdicts on the inputs and on the factor updates.
+
+        Returns:
+            `1 + 2 * (updated layers)` flags (1.0: kept, or not checked here),
+            the same number on every rank.
+        """
+        passed = torch.ones((), dtype=torch.bool, device=self.device)
+        factors = [self._factors.get(key) for key in self.factor_keys()]
+        flags = [self.inputs] + [passed if v is None else v.flag for v in factors]
+        return torch.stack([flag.to(self.device) for flag in flags]).float()
+
+    def adopt(self, agreed: list[bool]) -> None:
+        """Take every rank's `shared_verdicts`, combined, instead of an agreement.
+
+        Args:
+            agreed: Per flag, True only where it holds on every rank.
+        """
+        self._adopted = agreed
+
     # -------------------------------------------------------------- settling
     def settle_factors(self) -> None:
         """Read the factor verdicts that carry host numbers; restore failed ones.
@@ -269,12 +311,7 @@ class StepGuard:
         Returns:
             Whether the step's inputs were finite (False: skipped as a whole).
         """
-        factor_keys = [
-            (layer, side)
-            for layer, due in zip(self.layers, self.due, strict=True)
-            if due
-            for side in (0, 1)
-        ]
+        factor_keys = self.factor_keys()
         update_keys = self.layers + [param for _, param in self.fallback]
         verdicts = [self._factors.get(key) for key in factor_keys]
         verdicts += [self._updates.get(key) for key in update_keys]
@@ -282,7 +319,11 @@ class StepGuard:
         flags = [self.inputs] + [
             passed if v is None else v.flag.to(self.device) for v in verdicts
         ]
-        values = self._agree(torch.stack(flags)).tolist()  # the step's one read
+        if self._adopted is not None:  # the ranks agree on the rest by design
+            rest = flags[1 + len(factor_keys) :]
+            values = self._adopted + (torch.stack(rest).tolist() if rest else [])
+        else:
+            values = self._agree(torch.stack(flags)).tolist()  # the step's one read
         for verdict, kept in zip(verdicts, values[1:], strict=True):
             if verdict is not None and not kept and not verdict.settled:
                 verdict.restore()

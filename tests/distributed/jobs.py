@@ -253,9 +253,15 @@ def _bytes(results: dict[str, Any]) -> None:
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the float all-reduces, all-gathers, all-to-alls and sends."""
+    """Return the bytes of the all-reduces, all-gathers, all-to-alls and sends."""
     originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single, dist.isend
-    recorded = {"all_reduce": [], "all_gather": [], "all_to_all": [], "isend": []}
+    recorded = {
+        "all_reduce": [],
+        "all_gather": [],
+        "all_to_all": [],
+        "isend": [],
+        "checks": [],  # the integer all-reduces: checks and agreements
+    }
 
     def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         recorded["isend"].append(tensor.numel() * tensor.element_size())
@@ -268,8 +274,8 @@ def _recorded(function: Any) -> dict[str, int]:
         return originals[2](output, tensor, *args, **kwargs)
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if tensor.is_floating_point():
-            recorded["all_reduce"].append(tensor.numel() * tensor.element_size())
+        kind = "all_reduce" if tensor.is_floating_point() else "checks"
+        recorded[kind].append(tensor.numel() * tensor.element_size())
         return originals[0](tensor, *args, **kwargs)
 
     def all_gather(

@@ -228,6 +228,12 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
             # owners (owned factors too: no layer is split by column blocks)
             assert len(recorded["all_reduce"]) == len(recorded["all_to_all"])
             assert len(recorded["all_to_all"]) == (step == 0)
+            # the configuration check (the optimizer's first step), the step
+            # check, on update steps the agreement on the formed statistics;
+            # the step guard's verdicts ride in the gather
+            checks = recorded["checks"][1:] if step == 0 else recorded["checks"]
+            assert sum(checks) == reported["checks"]
+            assert checks[0] == 32 and len(checks) == 1 + (step == 0)
     for step in (0, 1):  # the relay's messages, of both ranks together
         sent = [sum(result[f"bytes/{name}/{step}"]["isend"]) for result in w2]
         assert sum(sent) == w2[0][f"bytes/{name}/{step}/reported"]["relay"]
@@ -242,8 +248,8 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
         assert plain["relay"] == update["relay"] > 0
     elif name != "shard":  # sparse sides are not helped; factors: no directions
         assert update["relay"] == plain["relay"] == 0
-    if name == "factors":  # between updates nothing travels
-        assert plain["gather"] == 0
+    if name == "factors":  # between updates only the guard's inputs verdict
+        assert plain["gather"] == 2 * 8  # (two ranks, one float64 each)
     else:  # the directions travel every step
         assert update["gather"] >= plain["gather"] > 0
 

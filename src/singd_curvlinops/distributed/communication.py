@@ -19,12 +19,14 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
   one other (all ranks' messages together).
 - **checks**: the configuration check (once), the step check of `Shard` (four
-  64-bit integers per step: the step count and the options' fingerprint) and
-  its agreement on the step guard's verdicts (a 32-bit integer for the step's
-  inputs, for each side of each updated layer, each layer and each fallback
-  parameter; see `singd_curvlinops.guard`); on update steps also the agreement
-  on the statistics that owners formed (`formed_statistics`: a 32-bit integer
-  per layer reduced to its owners, or one under owned factors). Under
+  64-bit integers per step: the step count and the options' fingerprint); on
+  update steps also the agreement on the statistics that owners formed
+  (`formed_statistics`: a 32-bit integer per layer reduced to its owners, or one
+  under owned factors). The step guard's verdicts on the inputs and the factor
+  updates ride in the gather (one number each, `StepGuard.shared_verdicts`);
+  under FSDP2 (row shards) they travel in an all-reduce of their own instead,
+  a 32-bit integer for the step's inputs, for each side of each updated layer,
+  each layer and each fallback parameter (see `singd_curvlinops.guard`). Under
   `Replicate` the options' fingerprints travel in the statistics all-reduce:
   one number per rank.
 
@@ -39,11 +41,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
+from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -154,12 +158,16 @@ def bytes_per_step(
     rule = optimizer.rule
     plan = strategy.assignments(layers, groups, rule, world)
     stepper = SimpleNamespace(state=optimizer.state, rule=rule)
+    fallback = optimizer.fallback_params
+    fsdp = any(map(is_sharded, layers)) or any(isinstance(p, DTensor) for p in fallback)
+    shared = not fsdp  # the guard's verdicts ride in the gather (`StepGuard.adopt`)
     step = GatheredStep(
         stepper,
         plan,
         share_state=strategy.factors == "replicated",
         dense_statistics=False,
         local_directions=strategy.share == "factors",
+        share_verdicts=shared,
         world=world,
     )
     first, layout = step.layouts(layers, [update] * len(layers))
@@ -176,8 +184,8 @@ def bytes_per_step(
         relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize
         if plan[layer].helper is not None:  # the factor shipped to the helper
             relay += layer.dims[1 - plan[layer].anchor] ** 2 * itemsize
-    verdicts = 1 + 2 * len(layers) * update + len(layers)
-    verdicts += len(optimizer.fallback_params)
+    # the step guard's all-reduce (FSDP2 only): inputs, sides, layers, fallback
+    verdicts = 0 if shared else 1 + (2 * update + 1) * len(layers) + len(fallback)
     if update:  # the agreement on what the owners formed (`formed_statistics`)
         if strategy.factors == "owned":
             verdicts += len(split) < len(layers)

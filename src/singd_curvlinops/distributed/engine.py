@@ -14,9 +14,9 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
    updated before, together, in a collective of their own: see `columns`);
 3. **shares** in one `all_gather`: each rank's preconditioned gradients (its
-   rows, or its terms), one flag each (0: the layer has no gradient), and — if
-   the factors are replicated — the updated factors of its sides (not their
-   momenta, which only the owner reads: `FactorRule.owner_state`);
+   rows, or its terms), one flag each (0: the layer has no gradient), the step
+   guard's verdicts (`StepGuard.shared_verdicts`), and the updated factors of its
+   sides if they are replicated (not momenta: `FactorRule.owner_state`);
 4. **applies**: received state entries replace the local ones; every rank
    applies the remaining side of row-sharded layers, adds up the terms of
    column-split layers, and then applies weight decay, momentum and the
@@ -55,6 +55,7 @@ from singd_curvlinops.distributed.layout import (
     rule_keys,
     shape_of,
     side_of,
+    verdicts_item,
 )
 from singd_curvlinops.distributed.relay import Relay
 from singd_curvlinops.layers import Layer
@@ -72,6 +73,9 @@ class GatheredStep:
             \(U_K\), \(U_C\) (for owners that project them themselves).
         local_directions: Whether every rank preconditions every layer itself
             (only the factors are shared; `Shard(share="factors")`).
+        share_verdicts: Whether the step guard's verdicts on the inputs and the
+            factor updates ride in the last gather (first, if there are two),
+            instead of an all-reduce of their own (`StepGuard.adopt`).
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
     """
@@ -84,6 +88,7 @@ class GatheredStep:
         share_state: bool,
         dense_statistics: bool,
         local_directions: bool = False,
+        share_verdicts: bool = False,
         world: int | None = None,
     ) -> None:
         self.stepper = stepper
@@ -91,6 +96,7 @@ class GatheredStep:
         self.share_state = share_state
         self.dense_statistics = dense_statistics
         self.local_directions = local_directions
+        self.share_verdicts = share_verdicts
         self.me, self.world = rank(), world or world_size()
         self._relay: Relay | None = None  # (one per step, in `__call__`)
 
@@ -102,6 +108,7 @@ class GatheredStep:
         """
         due = [self.stepper.due(layer) for layer in layers]
         is_due = dict(zip(layers, due, strict=True))
+        self.share_verdicts &= self.stepper.guard.shareable
         split = [layer for layer in layers if self._split(layer)]
         taken = formed_statistics.take(
             self.stepper,
@@ -152,9 +159,15 @@ class GatheredStep:
         directions = [
             self._direction_items(layers, sharded, r) for r in range(self.world)
         ]
+        first = None
         if (sharded or self.local_directions) and any(states):
-            return states, directions  # preconditioning needs the new factors
-        return None, [s + d for s, d in zip(states, directions, strict=True)]
+            first = states  # preconditioning needs the new factors
+        else:
+            directions = [s + d for s, d in zip(states, directions, strict=True)]
+        if self.share_verdicts and layers:
+            for share in first or directions:
+                share.append(verdicts_item(due))
+        return first, directions
 
     # ---------------------------------------------------------------- factors
     def _update(self, layer: Layer, due: bool, statistics: Any) -> None:
@@ -334,17 +347,21 @@ class GatheredStep:
         parts = [self._value(item, values) for item in layout[self.me]]
         with named_collective("The all_gather of a sharded optimizer's step"):
             buffers = all_gather_parts(parts, sizes, dtype, device)
-        directions, flags = {}, []
+        directions, flags, verdicts = {}, [], []
         for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
             chunks = flat.split([item.numel for item in items])
             for item, flat_chunk in zip(items, chunks, strict=True):
                 chunk = flat_chunk.view(item.shape)
-                if item.kind == "direction":
+                if item.kind == "verdicts":
+                    verdicts.append(chunk)
+                elif item.kind == "direction":
                     directions[item.layer, sender] = chunk
                 elif item.kind == "flag":
                     flags.append((item.layer, sender, chunk))
                 elif sender != self.me:
                     self._receive_state(item, chunk)
+        if verdicts:  # kept only where every rank kept it
+            self.stepper.guard.adopt((torch.stack(verdicts).amin(0) > 0.5).tolist())
         present = torch.cat([c for *_, c in flags]).tolist() if flags else []
         received: dict[Layer, dict[int, tuple[Tensor, bool]]] = {}
         for (layer, sender, _), flag in zip(flags, present, strict=True):
@@ -364,6 +381,8 @@ class GatheredStep:
         Returns:
             The tensor (zeros for a missing direction, rows padded).
         """
+        if item.kind == "verdicts":
+            return self.stepper.guard.shared_verdicts()
         weight = local(item.layer.weight)
         if item.kind == "state":
             value = self.stepper.state[item.layer.weight][item.key]

@@ -38,13 +38,14 @@ class Item:
     """One tensor (or number) in a rank's share of the step's `all_gather`.
 
     Attributes:
-        layer: The layer it belongs to.
-        kind: `"state"`, `"direction"` or `"flag"`.
+        layer: The layer it belongs to (None for `"verdicts"`).
+        kind: `"state"`, `"direction"`, `"flag"` or `"verdicts"` (the step
+            guard's, `StepGuard.shared_verdicts`).
         key: The state entry (kind `"state"`), else `""`.
         shape: Its shape (`(1,)` for a number).
     """
 
-    layer: Layer
+    layer: Layer | None
     kind: str
     key: str
     shape: tuple[int, ...]
@@ -53,6 +54,18 @@ class Item:
     def numel(self) -> int:
         """How many numbers it takes."""
         return math.prod(self.shape)
+
+
+def verdicts_item(due: Sequence[bool]) -> Item:
+    """Return the step guard's verdicts in a rank's share (the same on every rank).
+
+    Args:
+        due: Per layer of the step, whether its factors update.
+
+    Returns:
+        One flag for the inputs and one per side of each updated layer.
+    """
+    return Item(None, "verdicts", "", (1 + 2 * sum(due),))
 
 
 def owned_sides(assignment: Assignment | None, me: int) -> tuple[int, ...]:

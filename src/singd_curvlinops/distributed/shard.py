@@ -226,6 +226,7 @@ class Shard(DistributionStrategy):
             share_state=not self._owned,
             dense_statistics=self._owned,
             local_directions=self.share == "factors",
+            share_verdicts=True,
         )(layers)
 
     def full_state(

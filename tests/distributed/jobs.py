@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -40,6 +41,7 @@ from tests.distributed.harness import (
     build_model,
     make_optimizer,
     params,
+    strategy,
     train,
     train_heads,
     train_step,
@@ -318,6 +320,8 @@ def misuse(results: dict[str, Any], out: Path) -> None:
     results["misuse/fsdp_owned"] = _error(
         lambda: train(Case(SPARSE, "fsdp", "owned"), steps=1)
     )
+    for distribute in ("shard", "factors"):
+        results[f"misuse/tied/{distribute}"] = _error(partial(_tied, distribute))
     alone, _ = dist.new_subgroups(group_size=1)  # each rank a group of its own
     everyone = dist.new_group(list(range(dist.get_world_size())))
     for distribute in ("replicate", "shard"):
@@ -338,6 +342,19 @@ def _error(function: Any) -> str:
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def _tied(distribute: str) -> None:
+    """One step of an embedding tied to its output layer, under `Shard`."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(11, 8)
+    head = nn.Linear(8, 11, bias=False)
+    head.weight = embed.weight
+    net = DistributedDataParallel(nn.Sequential(embed, head))
+    optimizer = SINGD(net, lr=1e-3, distribute=strategy(distribute))
+    tokens = torch.randint(11, (4, 5), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(net(tokens).reshape(-1, 11), tokens.reshape(-1)).backward()
+    optimizer.step()
 
 
 def _ddp_over(group: Any, distribute: str) -> None:

@@ -327,6 +327,15 @@ def test_data_parallelism_over_a_subgroup_raises(
         assert result[f"misuse/ddp_all/{distribute}"] == "no error"
 
 
+@pytest.mark.parametrize("distribute", ["shard", "factors"])
+def test_tied_weights_under_shard_raise(misuse: list[dict], distribute: str) -> None:
+    """Before 2026-12-02 the step failed inside the tied layer's factor update
+    (an IndexError on one rank, a failed all_gather on the other)."""
+    for result in misuse:
+        message = result[f"misuse/tied/{distribute}"]
+        assert message.startswith("ValueError: Layer '0' is tied to a layer used")
+
+
 def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:
     for result in misuse:
         assert re.search("cannot precondition FSDP2", result["misuse/fsdp_owned"])

@@ -52,7 +52,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.distributed.collectives import agree, world_size
-from singd_curvlinops.distributed.fsdp import is_sharded, local
+from singd_curvlinops.distributed.fsdp import any_row_shards, is_sharded, local
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.verdicts import (
     COUNTERS,
@@ -257,8 +257,7 @@ class StepGuard:
         only the inputs' and the owners' factor verdicts differ between ranks,
         and a sharded step can carry them in its `all_gather` (`adopt`).
         """
-        sharded = any(is_sharded(layer) for layer in self.layers)
-        return not sharded and not any(isinstance(p, DTensor) for _, p in self.fallback)
+        return not any_row_shards(self.layers, [p for _, p in self.fallback])
 
     def factor_keys(self) -> list[tuple[Layer, int]]:
         """Return `(layer, side)` of every side of every updated layer, in order."""

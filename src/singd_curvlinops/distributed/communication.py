@@ -41,13 +41,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import is_sharded
+from singd_curvlinops.distributed.fsdp import any_row_shards
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -159,8 +158,8 @@ def bytes_per_step(
     plan = strategy.assignments(layers, groups, rule, world)
     stepper = SimpleNamespace(state=optimizer.state, rule=rule)
     fallback = optimizer.fallback_params
-    fsdp = any(map(is_sharded, layers)) or any(isinstance(p, DTensor) for p in fallback)
-    shared = not fsdp  # the guard's verdicts ride in the gather (`StepGuard.adopt`)
+    # the guard's verdicts ride in the gather (`StepGuard.shareable`)
+    shared = not any_row_shards(layers, fallback)
     step = GatheredStep(
         stepper,
         plan,

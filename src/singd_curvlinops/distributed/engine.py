@@ -108,7 +108,6 @@ class GatheredStep:
         """
         due = [self.stepper.due(layer) for layer in layers]
         is_due = dict(zip(layers, due, strict=True))
-        self.share_verdicts &= self.stepper.guard.shareable
         split = [layer for layer in layers if self._split(layer)]
         taken = formed_statistics.take(
             self.stepper,

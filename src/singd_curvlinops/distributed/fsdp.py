@@ -20,6 +20,8 @@ that every rank holds every factor and applies every output side.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
@@ -56,6 +58,19 @@ def is_sharded(layer: Layer) -> bool:
             "only FSDP2's row sharding (Shard(0) on a 1-d mesh) is supported."
         )
     return True
+
+
+def any_row_shards(layers: Iterable[Layer], params: Iterable[Tensor]) -> bool:
+    """Return whether FSDP2 shards any of the layers or (fallback) parameters.
+
+    Args:
+        layers: Layers (`is_sharded`).
+        params: Parameters trained without a layer.
+
+    Returns:
+        True if a layer is row-sharded or a parameter is a `DTensor`.
+    """
+    return any(map(is_sharded, layers)) or any(isinstance(p, DTensor) for p in params)
 
 
 def local(tensor: Tensor) -> Tensor:

@@ -236,7 +236,7 @@ class Shard(DistributionStrategy):
             share_state=not self._owned,
             dense_statistics=self._owned,
             local_directions=self.share == "factors",
-            share_verdicts=True,
+            share_verdicts=stepper.guard.shareable,
         )(layers)
 
     def full_state(

@@ -140,6 +140,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     _bytes(results)
     for distribute in ("replicate", "shard", "owned", "factors"):
         results[f"heads/{distribute}"] = train_heads(distribute)
+        results[f"buffers/{distribute}"] = _buffers(distribute)
     for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
         case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
         results[f"bfloat16/{distribute}"] = params(train(case)[0])
@@ -252,6 +253,38 @@ def _bytes(results: dict[str, Any]) -> None:
                 optimizer, update=step == 0, rows=rows
             )
         results[f"bytes/{name}/dense"] = bytes_per_step(optimizer, update=True)
+
+
+def _buffers(distribute: str) -> dict[str, Any]:
+    """Train the dense case; record the message buffers after steps 2 and 4.
+
+    Per slot its storage address (the same after both: lent again, not
+    reallocated), and whether any state tensor lives in a buffer's storage
+    (it must not: the next step overwrites the buffers).
+    """
+    case = Case(DENSE, distribute=distribute)
+    net = wrap(case, build_model(case.model))
+    optimizer = make_optimizer(case, net)
+    seen = []
+    for step in range(4):
+        train_step(case, net, optimizer, step)
+        if step in (1, 3):
+            held = optimizer.distribution.buffers._held
+            seen.append({_slot(key): held[key].data_ptr() for key in held})
+    buffers = {tensor.data_ptr() for tensor in held.values()}
+    state = [
+        value.untyped_storage().data_ptr()
+        for entries in optimizer.state.values()
+        for value in entries.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {"after": seen, "aliased": sorted(buffers.intersection(state))}
+
+
+def _slot(key: tuple) -> str:
+    """Name a buffer's key (slot, dtype, device); a layer by its name."""
+    slot = key[0] if isinstance(key[0], tuple) else (key[0],)
+    return repr(tuple(getattr(part, "name", part) for part in slot))
 
 
 def _recorded(function: Any) -> dict[str, int]:

@@ -339,3 +339,27 @@ def test_tied_weights_under_shard_raise(misuse: list[dict], distribute: str) -> 
 def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:
     for result in misuse:
         assert re.search("cannot precondition FSDP2", result["misuse/fsdp_owned"])
+
+
+# --------------------------------------------------------------- buffers
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned", "factors"])
+def test_message_buffers_are_lent_again(
+    w2: list[dict[str, Any]], distribute: str
+) -> None:
+    """Steps reuse the strategy's message buffers; no state lives in them."""
+    for result in w2:
+        early, late = result[f"buffers/{distribute}"]["after"]
+        assert early, "no message buffers kept"
+        assert early == late  # same slots at the same addresses: not reallocated
+        assert result[f"buffers/{distribute}"]["aliased"] == []
+    slots = " ".join(  # every rank's
+        slot for result in w2 for slot in result[f"buffers/{distribute}"]["after"][0]
+    )
+    expected = {
+        "replicate": ["('statistics',)"],
+        "shard": ["('step', 'sent')", "('step', 1)", "('received', "],  # + relay
+        "owned": ["('step', 'sent')", "('factor', ", "('received', "],  # + helper
+        "factors": ["('factors', 'sent')", "('factors', 1)"],
+    }[distribute]
+    for name in expected:
+        assert name in slots, (name, slots)

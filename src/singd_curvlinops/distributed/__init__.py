@@ -11,7 +11,8 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
   layers.
 - `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
   owner in one all-to-all.
-- `communication`: the bytes each of them sends.
+- `communication`: the bytes each of them sends; `buffers`: the message
+  buffers every strategy keeps between steps.
 - `collectives`: the checks that turn misuse into errors on every rank;
   `groups`: the check that the model's data parallelism spans the default group.
 

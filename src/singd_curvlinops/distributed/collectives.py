@@ -21,12 +21,14 @@ that names what this rank was doing and the likely cause.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from singd_curvlinops.distributed.buffers import Buffers
 
 
 def initialized() -> bool:
@@ -229,7 +231,12 @@ def agree(flags: Tensor) -> Tensor:
 
 
 def all_gather_parts(
-    parts: Sequence[Tensor], sizes: list[int], dtype: torch.dtype, device: torch.device
+    parts: Sequence[Tensor],
+    sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    buffers: Buffers | None = None,
+    slot: Hashable = "gather",
 ) -> list[Tensor]:
     """Gather every rank's numbers: one `all_gather` of equal-size flat buffers.
 
@@ -241,16 +248,27 @@ def all_gather_parts(
         sizes: Every rank's number of numbers, the same list on every rank.
         dtype: The buffer's dtype (holds every part exactly).
         device: The buffer's device.
+        buffers: Where the sent and received buffers are kept between steps
+            (None: allocated for this call).
+        slot: The name of this gather's buffers in `buffers`.
 
     Returns:
-        Per rank, its numbers (views of the gathered buffers).
+        Per rank, its numbers (views of the gathered buffers; with `buffers`,
+        valid until `slot` is gathered again).
     """
-    buffer = torch.empty(max(sizes), dtype=dtype, device=device)
+    length = max(sizes)
+
+    def take(part: Hashable) -> Tensor:
+        if buffers is None:
+            return torch.empty(length, dtype=dtype, device=device)
+        return buffers.take((slot, part), length, dtype, device)
+
+    buffer = take("sent")
     offset = 0
     for part in parts:
         buffer[offset : offset + part.numel()].copy_(part.reshape(-1))
         offset += part.numel()
     buffer[offset:].zero_()
-    received = [torch.empty_like(buffer) for _ in sizes]
+    received = [take(sender) for sender in range(len(sizes))]
     dist.all_gather(received, buffer)
     return [chunk[:size] for chunk, size in zip(received, sizes, strict=True)]

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.distributed import columns, formed_statistics
+from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
     named_collective,
@@ -54,8 +55,8 @@ from singd_curvlinops.distributed.layout import (
     owned_sides,
     rule_keys,
     shape_of,
-    side_of,
     verdicts_item,
+    write_received,
 )
 from singd_curvlinops.distributed.relay import Relay
 from singd_curvlinops.layers import Layer
@@ -78,6 +79,8 @@ class GatheredStep:
             instead of an all-reduce of their own (`StepGuard.adopt`).
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
+        buffers: The strategy's message buffers, kept between steps (None:
+            allocated for this step).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class GatheredStep:
         local_directions: bool = False,
         share_verdicts: bool = False,
         world: int | None = None,
+        buffers: Buffers | None = None,
     ) -> None:
         self.stepper = stepper
         self.plan = plan
@@ -98,6 +102,7 @@ class GatheredStep:
         self.local_directions = local_directions
         self.share_verdicts = share_verdicts
         self.me, self.world = rank(), world or world_size()
+        self.buffers = buffers
         self._relay: Relay | None = None  # (one per step, in `__call__`)
 
     def __call__(self, layers: Sequence[Layer]) -> None:
@@ -118,7 +123,9 @@ class GatheredStep:
         columns.step(self.stepper, [(layer, is_due[layer]) for layer in split])
         relayed = [layer for layer in layers if self.relayed(layer)]
         dtype = buffer_dtype(layers, self.stepper.groups) if relayed else None
-        self._relay = Relay(self.stepper, self.plan, layers, relayed, dtype, self.me)
+        self._relay = Relay(
+            self.stepper, self.plan, layers, relayed, dtype, self.me, self.buffers
+        )
         for layer in layers:
             if layer not in split:
                 self._update(layer, is_due[layer], taken.get(layer))
@@ -129,7 +136,7 @@ class GatheredStep:
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = self.layouts(layers, due)
         if first:  # the factors first, then the preconditioning
-            self._share(layers, first, {})
+            self._share(layers, first, {}, slot="factors")
         # the relayed layers last: their half products arrive meanwhile
         ordered = sorted(layers, key=self.relayed)
         values = {layer: self._direction(layer, layer in sharded) for layer in ordered}
@@ -326,7 +333,11 @@ class GatheredStep:
 
     # ---------------------------------------------------------------- sharing
     def _share(
-        self, layers: Sequence[Layer], layout: list[list[Item]], values: dict
+        self,
+        layers: Sequence[Layer],
+        layout: list[list[Item]],
+        values: dict,
+        slot: str = "step",
     ) -> dict[Layer, dict[int, tuple[Tensor, bool]]]:
         """All-gather every rank's items; write received state; collect the rest.
 
@@ -334,6 +345,8 @@ class GatheredStep:
             layers: The layers of the step.
             layout: Per rank, its items.
             values: This rank's direction per layer (None: no gradient).
+            slot: The gather's buffers (`buffers`: the first gather of
+                factors keeps its own, read before the step's gather).
 
         Returns:
             Per layer with directions, per sending rank: `(direction, flag)`.
@@ -345,7 +358,7 @@ class GatheredStep:
         device = local(layers[0].weight).device
         parts = [self._value(item, values) for item in layout[self.me]]
         with named_collective("The all_gather of a sharded optimizer's step"):
-            buffers = all_gather_parts(parts, sizes, dtype, device)
+            buffers = all_gather_parts(parts, sizes, dtype, device, self.buffers, slot)
         directions, flags, verdicts = {}, [], []
         for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
             chunks = flat.split([item.numel for item in items])
@@ -358,7 +371,7 @@ class GatheredStep:
                 elif item.kind == "flag":
                     flags.append((item.layer, sender, chunk))
                 elif sender != self.me:
-                    self._receive_state(item, chunk)
+                    write_received(self.stepper, item, chunk)
         if verdicts:  # kept only where every rank kept it
             self.stepper.guard.adopt((torch.stack(verdicts).amin(0) > 0.5).tolist())
         present = torch.cat([c for *_, c in flags]).tolist() if flags else []
@@ -397,23 +410,6 @@ class GatheredStep:
         if direction is not None:
             padded[: direction.shape[0]] = direction
         return padded
-
-    def _receive_state(self, item: Item, chunk: Tensor) -> None:
-        """Write a received state entry into this rank's state.
-
-        Args:
-            item: The entry.
-            chunk: Its value.
-        """
-        state = self.stepper.state[item.layer.weight]
-        old = state[item.key]
-        if isinstance(old, Tensor):
-            old.copy_(chunk)
-        else:  # a number of the rule's (e.g. a counter): one host read
-            value = chunk.item()
-            state[item.key] = round(value) if isinstance(old, int) else value
-        side = side_of(item.key, self.stepper.rule)
-        self.stepper.forget(item.layer, (0, 1) if side is None else (side,))
 
     # ---------------------------------------------------------------- apply
     def _apply(

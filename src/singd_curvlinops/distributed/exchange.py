@@ -49,6 +49,7 @@ from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import formed_statistics
+from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     check_same_options,
     fingerprint,
@@ -127,6 +128,7 @@ def describe_options(groups: Sequence[dict[str, Any]], keys: Sequence[str]) -> s
 def all_reduce_statistics(
     statistics: Sequence[tuple[StructuredMatrix, StructuredMatrix, int]],
     options: str | None = None,
+    buffers: Buffers | None = None,
 ) -> list[int]:
     r"""Combine the pending statistics of all processes in place, one collective.
 
@@ -138,6 +140,8 @@ def all_reduce_statistics(
             travel in the same buffer, one slot per rank, and differing ones
             raise `check_same_options`'s error on every rank before any
             statistics are written back (None: not checked).
+        buffers: Where the all-reduced buffer is kept between steps (None:
+            allocated for this call); the statistics are copied out of it.
 
     Returns:
         Per layer, the total number of examples \(N\); the matrices then hold the
@@ -147,7 +151,11 @@ def all_reduce_statistics(
     dtype = wire_dtype([M for H_K, H_C, _ in statistics for M in (H_K, H_C)])
     slots = [] if options is None else option_slots(fingerprint(options), processes)
     size = sum(H_K.numel() + H_C.numel() + 1 for H_K, H_C, _ in statistics)
-    buffer = torch.empty(size + len(slots), dtype=dtype, device=statistics[0][0].device)
+    device = statistics[0][0].device
+    if buffers is None:
+        buffer = torch.empty(size + len(slots), dtype=dtype, device=device)
+    else:
+        buffer = buffers.take("statistics", size + len(slots), dtype, device)
     buffer[size:] = torch.tensor(slots, dtype=dtype)
     counts, offset = [], 0  # (where the example counts are)
     for H_K, H_C, count in statistics:  # count x H_K, H_C, count
@@ -204,6 +212,8 @@ class StatisticsExchange:
             owner (`Shard(factors="owned")`, see `owner_statistics`).
         options: This rank's options, checked in the all-reduce (None: not
             checked here; `Shard` checks them with the step count).
+        buffers: The strategy's message buffers (the all-reduce's, kept
+            between steps; None: allocated at every exchange).
     """
 
     def __init__(
@@ -215,8 +225,10 @@ class StatisticsExchange:
         owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
         keep_rows: bool = False,
         options: str | None = None,
+        buffers: Buffers | None = None,
     ):
         self._options = options
+        self._buffers = buffers
         self._zeros = zeros
         self._grad_scale = grad_scale
         self._per_example = per_example
@@ -250,7 +262,7 @@ class StatisticsExchange:
                 record.H_K, record.H_C = map(as_structured, (record.H_K, record.H_C))
         statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
         if owners is None:
-            totals = all_reduce_statistics(statistics, self._options)
+            totals = all_reduce_statistics(statistics, self._options, self._buffers)
         else:
             totals, kept, finite = reduce_to_owners(
                 statistics, owners, keep_rows=self._keep_rows

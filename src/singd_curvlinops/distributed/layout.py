@@ -177,3 +177,22 @@ def shape_of(value: Any) -> tuple[int, ...]:
         Its shape.
     """
     return tuple(value.shape) if isinstance(value, Tensor) else (1,)
+
+
+def write_received(stepper: Any, item: Item, chunk: Tensor) -> None:
+    """Write a received state entry into this rank's state (copied out).
+
+    Args:
+        stepper: The shell's per-layer operations.
+        item: The entry.
+        chunk: Its value (a view of the gathered buffer).
+    """
+    state = stepper.state[item.layer.weight]
+    old = state[item.key]
+    if isinstance(old, Tensor):
+        old.copy_(chunk)
+    else:  # a number of the rule's (e.g. a counter): one host read
+        value = chunk.item()
+        state[item.key] = round(value) if isinstance(old, int) else value
+    side = side_of(item.key, stepper.rule)
+    stepper.forget(item.layer, (0, 1) if side is None else (side,))

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from singd_curvlinops.distributed.assignment import Assignment
+from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.layers import Layer
@@ -68,6 +69,8 @@ class Relay:
         dtype: The messages' dtype (the step's gather dtype; None if there are
             no such layers).
         me: This rank.
+        buffers: The strategy's message buffers, kept between steps (None:
+            allocated for this step).
     """
 
     def __init__(
@@ -78,8 +81,10 @@ class Relay:
         relayed: Iterable[Layer],
         dtype: torch.dtype | None,
         me: int,
+        buffers: Buffers | None = None,
     ) -> None:
         self.stepper, self.plan, self.dtype, self.me = stepper, plan, dtype, me
+        self.buffers = buffers
         self._tags = {layer: index for index, layer in enumerate(layers)}
         self._relayed = dict.fromkeys(relayed)  # (in order; a set would not be)
         self._incoming: dict[Layer, tuple[Tensor, Any]] = {}
@@ -97,9 +102,7 @@ class Relay:
                 self._incoming[layer] = self._receive_half(layer)
             if assignment.helper == me:
                 dim = layer.dims[1 - assignment.anchor]
-                factor = torch.empty(
-                    dim * dim, dtype=dtype, device=buffer_device(layer)
-                )
+                factor = self._take(("factor", layer), dim * dim)
                 with named_collective(self._what(layer)):
                     work = dist.irecv(
                         factor,
@@ -121,24 +124,40 @@ class Relay:
         Returns:
             The buffer and the backend's work.
         """
-        buffer = self._buffer(layer)
+        buffer = self._buffer(layer, "received")
         with named_collective(self._what(layer)):
             work = dist.irecv(
                 buffer, src=self.plan[layer].sender, tag=self._tags[layer]
             )
         return buffer, work
 
-    def _buffer(self, layer: Layer) -> Tensor:
+    def _buffer(self, layer: Layer, way: str) -> Tensor:
         """Return an empty message for a layer: its half product and a flag.
 
         Args:
             layer: The layer.
+            way: `"sent"` or `"received"` (a rank may do both for a layer).
 
         Returns:
             A flat tensor of `d_C * d_K + 1` numbers.
         """
         d_K, d_C = layer.dims
-        return torch.empty(d_C * d_K + 1, dtype=self.dtype, device=buffer_device(layer))
+        return self._take((way, layer), d_C * d_K + 1)
+
+    def _take(self, slot: tuple[str, Layer], numel: int) -> Tensor:
+        """Return an empty flat message of the step's dtype for a layer.
+
+        Args:
+            slot: What it holds, and for which layer.
+            numel: Its number of entries.
+
+        Returns:
+            The strategy's buffer for `slot` (a fresh tensor without buffers).
+        """
+        device = buffer_device(slot[1])
+        if self.buffers is None:
+            return torch.empty(numel, dtype=self.dtype, device=device)
+        return self.buffers.take(slot, numel, self.dtype, device)
 
     @staticmethod
     def _what(layer: Layer) -> str:
@@ -268,7 +287,7 @@ class Relay:
             half: `[d_C, d_K]`, or None.
         """
         assignment = self.plan[layer]
-        message = self._buffer(layer)
+        message = self._buffer(layer, "sent")
         if half is None:
             message.zero_()
         else:

@@ -237,6 +237,7 @@ class Shard(DistributionStrategy):
             dense_statistics=self._owned,
             local_directions=self.share == "factors",
             share_verdicts=stepper.guard.shareable,
+            buffers=self.buffers,
         )(layers)
 
     def full_state(

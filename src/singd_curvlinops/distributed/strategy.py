@@ -25,6 +25,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import collectives, ownership
+from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
     world_size,
@@ -60,6 +61,7 @@ class DistributionStrategy:
 
     def __init__(self) -> None:
         self._verified = ""
+        self.buffers = Buffers()  # (the messages' buffers, kept between steps)
 
     def __repr__(self) -> str:
         """Return the strategy as users write it.
@@ -113,6 +115,7 @@ class DistributionStrategy:
         if description != self._verified:
             check_same_configuration(description, layers[0].weight.device)
             self._configure(layers, groups, state, rule)
+            self.buffers.clear()  # (kept per layer: none for layers now gone)
             self._verified = description
         described = describe_options(groups, self.options)
         checked = self._check_step(layers, state, described)
@@ -131,6 +134,7 @@ class DistributionStrategy:
             owners=lambda due: self.statistics_owners(due, rule),
             keep_rows=self.rows == "raw",
             options=None if checked else described,
+            buffers=self.buffers,
         )(pending, due)
 
     def statistics_owners(
@@ -184,9 +188,13 @@ class DistributionStrategy:
         sharded = world_size() > 1 and any(is_sharded(layer) for layer in layers)
         if sharded:
             plan = dict.fromkeys(layers)
-            GatheredStep(stepper, plan, share_state=False, dense_statistics=False)(
-                layers
-            )
+            GatheredStep(
+                stepper,
+                plan,
+                share_state=False,
+                dense_statistics=False,
+                buffers=self.buffers,
+            )(layers)
             return
         for layer in layers:
             stepper.update_factors(layer)

@@ -34,7 +34,9 @@ from singd_curvlinops.distributed import Shard
 BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
 STEPS = 6
 TOLERANCE = 1e-10
-CLASSES = {"three": 60, "two": 2, "norm": 60}  # 2 rows on 3 ranks: an empty FSDP2 shard
+CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30}  # 2 rows on 3 ranks: an
+# empty FSDP2 shard
+TOKENS = 5  # positions per sequence of the "tied" model
 SPARSE = {
     "lr": 0.1,
     "lr_cov": 0.1,
@@ -63,8 +65,9 @@ class Case:
             or `"factors"` (`Shard(share="factors")`).
         kfac: The `KFAC` optimizer instead of `SINGD`.
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
-            (Conv2d 2→3, Linear 48→2) or `"norm"` (`"three"` with a LayerNorm
-            before the first Linear: fallback parameters).
+            (Conv2d 2→3, Linear 48→2), `"norm"` (`"three"` with a LayerNorm
+            before the first Linear: fallback parameters) or `"tied"` (an
+            Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout).
         dtype: The model's and the data's dtype.
     """
 
@@ -76,8 +79,21 @@ class Case:
     dtype: torch.dtype = torch.float64
 
 
+class LastPosition(nn.Module):
+    """The logits of a sequence's last position."""
+
+    def forward(self, X: Tensor) -> Tensor:
+        return X[:, -1]
+
+
 def build_model(name: str) -> nn.Sequential:
     torch.manual_seed(0)
+    if name == "tied":  # tokens → Embedding → Linear → head tied to the Embedding
+        embed = nn.Embedding(CLASSES["tied"], 8)
+        head = nn.Linear(8, CLASSES["tied"], bias=False)
+        head.weight = embed.weight
+        body = [embed, nn.Linear(8, 8), nn.Tanh(), head, LastPosition()]
+        return nn.Sequential(*body).double()
     if name == "two":
         tail = [nn.Linear(48, CLASSES["two"])]
     elif name == "norm":  # the LayerNorm's parameters go to the AdamW fallback
@@ -134,6 +150,11 @@ def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
 
 def batch(step: int, model: str) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(step)
+    if model == "tied":  # token sequences; the target: the next token
+        tokens = torch.randint(
+            0, CLASSES["tied"], (BATCH, TOKENS + 1), generator=generator
+        )
+        return tokens[:, :-1], tokens[:, -1]
     X = torch.randn(BATCH, 2, 8, 8, generator=generator, dtype=torch.float64)
     return X, torch.randint(0, CLASSES[model], (BATCH,), generator=generator)
 
@@ -166,7 +187,7 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     X, y = batch(step, case.model)
-    X = X.to(case.dtype)
+    X = X.to(case.dtype) if X.is_floating_point() else X
     local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     X, y = X[local], y[local]
     optimizer.zero_grad()

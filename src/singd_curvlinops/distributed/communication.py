@@ -71,8 +71,9 @@ def bytes_per_update(
         world_size: Processes to count for (default: the process group's).
 
     Returns:
-        Size of the all-reduced buffer: every layer's stored entries of `H_K` and
-        `H_C` (dense under `Shard(factors="owned")`) plus one example count, in
+        Size of the all-reduced buffer: every layer's (and every transposed
+        twin's: tied weights) stored entries of `H_K` and `H_C` (dense under
+        `Shard(factors="owned")`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
         each side to its owner (`owner_statistics`; with owned factors unless a
@@ -100,7 +101,8 @@ def bytes_per_update(
         and not any(layer.twin is not None or layer.swapped for layer in layers)
     )
     wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
-    for layer in optimizer.layers:
+    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
+    for layer in keys:  # (a transposed twin's statistics travel as its own)
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = ("dense", "dense") if dense else group["structures"]
         dtype = torch.promote_types(*layer.factor_dtypes(group))

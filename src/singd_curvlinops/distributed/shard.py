@@ -145,18 +145,12 @@ class Shard(DistributionStrategy):
             rule: The factor rule.
 
         Raises:
-            ValueError: For `factors="owned"` with FSDP2 row-sharded layers, and
-                for a weight tied to a transposed use (an embedding tied to an
-                output layer: its update failed inside the step, found in an
-                audit on 2026-12-02; not supported by `Shard` yet).
+            ValueError: For `factors="owned"` with FSDP2 row-sharded layers.
         """
-        tied = [layer.name for layer in layers if layer.twin is not None]
-        if tied:
-            raise ValueError(
-                f"Layer {tied[0]!r} is tied to a layer used transposed (an embedding "
-                "tied to an output layer), which distribute='shard' does not "
-                "support yet; use distribute='replicate' for this model."
-            )
+        # A transposed twin (tied weights) shares its layer's factors, owner and
+        # work: its statistics are all-reduced next to the layer's
+        # (`owner_ranks`) and merged into them (`pending.kronecker_sum`).
+        layers = [layer for layer in layers if not layer.swapped]
         if self._owned and any(is_sharded(layer) for layer in layers):
             raise ValueError(
                 "Shard(factors='owned') cannot precondition FSDP2 row shards (every "

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import torch
+from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.layers import Layer
@@ -67,6 +69,7 @@ def check_options(
     except (TypeError, ValueError) as error:
         kind = ValueError if isinstance(error, ValueError) else TypeError
         raise kind(f"{where}: {error}") from None
+    check_scalars_fit(group, where=where, holds_fallback=holds_fallback)
     if holds_fallback and options.get("fallback") is None:
         raise ValueError(
             f"{where}: fallback=None, but the group holds parameters that no layer "
@@ -74,6 +77,57 @@ def check_options(
             "'adamw', 'sgd'."
         )
     return options
+
+
+# Options that a step passes as `alpha` to in-place tensor operations
+# (`param.add_(direction, alpha=-lr)`), per option the tensors it scales: a
+# value beyond their dtype's range cannot be converted and failed inside the step
+# (`RuntimeError: value cannot be converted ... without overflow`, after the
+# factor updates), e.g. lr = 1e39 on float32 parameters.
+SCALARS = {"lr": "parameters", "weight_decay": "parameters", "lr_cov": "factors"}
+
+
+def check_scalars_fit(
+    group: Mapping[str, Any], *, where: str, holds_fallback: bool = False
+) -> None:
+    """Raise unless the group's scalar options fit its tensors' dtypes.
+
+    `lr` and `weight_decay` must be representable in the parameters' dtypes,
+    `lr_cov` in the factors' (`preconditioner_dtype`, None: the parameters'),
+    and, for a group with fallback parameters, `lr · fallback_lr_ratio` (their
+    learning rate) in the parameters' dtypes. Groups without tensors (a
+    checkpoint's, whose `params` are indices) are not checked here.
+
+    Args:
+        group: A parameter group with its `"params"`.
+        where: The group's place for messages.
+        holds_fallback: Whether the group holds fallback parameters.
+
+    Raises:
+        ValueError: Naming the option, its value and the dtype it does not fit.
+    """
+    params = [p for p in group.get("params", ()) if isinstance(p, Tensor)]
+    if not params:
+        return
+    dtypes = {"parameters": {p.dtype for p in params}}
+    chosen = group.get("preconditioner_dtype") or (None, None)
+    dtypes["factors"] = {dtype or p.dtype for dtype in chosen for p in params}
+    values = {k: (group[k], dtypes[kind]) for k, kind in SCALARS.items() if k in group}
+    if holds_fallback and "fallback_lr_ratio" in group:
+        product = float(group["lr"]) * float(group["fallback_lr_ratio"])
+        values["lr · fallback_lr_ratio"] = (product, dtypes["parameters"])
+    for name, (value, kinds) in values.items():
+        if not isinstance(value, int | float):  # a callable lr_cov: `step_options`
+            continue
+        narrowest = min(kinds, key=lambda dtype: torch.finfo(dtype).max)
+        largest = torch.finfo(narrowest).max
+        if abs(float(value)) > largest:
+            scaled = SCALARS.get(name, "parameters")
+            raise ValueError(
+                f"{where}: {name} = {float(value):g} does not fit {narrowest} "
+                f"(largest {largest:g}), the dtype of the {scaled} it scales; "
+                "choose a smaller value."
+            )
 
 
 # the options that decide a layer's factors when the optimizer is built
@@ -188,7 +242,8 @@ class OptionGuard:
         Returns:
             Per layer whose factors are due, the options that replace the group's
             in this step (`FactorRule.step_options`: a callable `lr_cov`'s value,
-            which raises a `ValueError` if it is invalid; nothing has changed then).
+            which raises a `ValueError` if it is invalid or does not fit the
+            factors' dtype; nothing has changed then).
         """
         values = {}
         for layer in layers:
@@ -196,7 +251,12 @@ class OptionGuard:
             layer_state = state[layer.weight]
             if not is_due(layer_state, group):
                 continue
-            options = self._rule.step_options(layer.options(group), layer_state["step"])
-            if options:
+            step = layer_state["step"]
+            options = self._rule.step_options(layer.options(group), step)
+            if options:  # (a callable lr_cov's value must fit the factors too)
+                fits = {**options, "params": [layer.weight]}
+                fits["preconditioner_dtype"] = group["preconditioner_dtype"]
+                where = f"param_groups[{layer.group_index}] at step {step}"
+                check_scalars_fit(fits, where=where)
                 values[layer] = options
         return values

@@ -19,6 +19,7 @@ from singd_curvlinops import parameter_update
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.layers.layer_set import unowned_message
+from singd_curvlinops.option_guard import check_scalars_fit
 from singd_curvlinops.rules.fallback import FALLBACK_RULES
 from singd_curvlinops.verdicts import init_counters
 
@@ -64,6 +65,8 @@ class Registration:
         super().add_param_group(param_group)
         try:
             self._rule.check_group(self.param_groups[-1])
+            where = f"param_groups[{len(self.param_groups) - 1}]"
+            check_scalars_fit(self.param_groups[-1], where=where)
             if not self._constructing:  # the constructor registers its groups at once
                 self._register()
         except (ValueError, TypeError):

@@ -70,6 +70,18 @@ def test_non_finite_hyperparameter_is_rejected(
         cls(model, groups)
 
 
+def test_options_beyond_the_parameters_dtype_are_rejected_at_construction() -> None:
+    """The step would pass them as `alpha` to float32 tensors, which fails."""
+    for cls, name in ((SINGD, "lr"), (SINGD, "lr_cov"), (KFAC, "weight_decay")):
+        with pytest.raises(ValueError, match=rf"{name} = 1e\+39 does not fit"):
+            cls(make_model(), **{name: 1e39})
+    model = make_model().double()  # float64 holds it: the guard's business then
+    optimizer = SINGD(model, lr=1e39, lr_cov=1e39)
+    assert optimizer.param_groups[0]["lr"] == 1e39
+    with pytest.raises(ValueError, match=r"lr_cov = 1e\+39 does not fit torch.float32"):
+        SINGD(model, lr_cov=1e39, preconditioner_dtype=(torch.float32, None))
+
+
 @pytest.mark.parametrize("value", [INF, NAN, -1.0, True])
 def test_bad_init_grad_scale_is_rejected(value: float) -> None:
     with pytest.raises(ValueError, match=r"init_grad_scale must be > 0, got"):
@@ -119,6 +131,17 @@ EDITS = [
      ValueError, r"lr_cov \(a callable\) returned '0\.1' at step 3"),
     ("lr_cov-returns-tensor", lambda g: g.update(lr_cov=lambda s: torch.ones(2)),
      ValueError, r"lr_cov \(a callable\) returned tensor\(\[1\., 1\.\]\) at step 3"),
+    # beyond float32, the parameters' dtype: failed inside the step before
+    ("lr-beyond-float32", lambda g: g.update(lr=1e39), ValueError,
+     r"param_groups\[0\]: lr = 1e\+39 does not fit torch.float32 \(largest"),
+    ("weight_decay-beyond-float32", lambda g: g.update(weight_decay=1e39),
+     ValueError, r"weight_decay = 1e\+39 does not fit torch.float32"),
+    ("lr_cov-beyond-float32", lambda g: g.update(lr_cov=1e39), ValueError,
+     r"lr_cov = 1e\+39 does not fit torch.float32 .* the factors it scales"),
+    ("lr_cov-returns-beyond-float32", lambda g: g.update(lr_cov=lambda s: 1e39),
+     ValueError, r"param_groups\[0\] at step 3: lr_cov = 1e\+39 does not fit"),
+    ("fallback-lr-beyond-float32", lambda g: g.update(fallback_lr_ratio=1e40),
+     ValueError, r"lr · fallback_lr_ratio = 5e\+38 does not fit torch.float32"),
 ]  # fmt: skip
 
 

@@ -83,8 +83,16 @@ def check_options(
 # (`param.add_(direction, alpha=-lr)`), per option the tensors it scales: a
 # value beyond their dtype's range cannot be converted and failed inside the step
 # (`RuntimeError: value cannot be converted ... without overflow`, after the
-# factor updates), e.g. lr = 1e39 on float32 parameters.
-SCALARS = {"lr": "parameters", "weight_decay": "parameters", "lr_cov": "factors"}
+# factor updates), e.g. lr = 1e39 on float32 parameters, or damping = 1e5 on
+# float16 factors under `kfac_like` (`H + λ KᵀK`). Where the step multiplies by
+# the value instead (plain SINGD's damping, lr_cov under normalize_lr_cov) it
+# would only give an infinite update that the step guard discards: rejected too.
+SCALARS = {
+    "lr": "parameters",
+    "weight_decay": "parameters",
+    "lr_cov": "factors",
+    "damping": "factors",
+}
 
 
 def check_scalars_fit(
@@ -93,10 +101,11 @@ def check_scalars_fit(
     """Raise unless the group's scalar options fit its tensors' dtypes.
 
     `lr` and `weight_decay` must be representable in the parameters' dtypes,
-    `lr_cov` in the factors' (`preconditioner_dtype`, None: the parameters'),
-    and, for a group with fallback parameters, `lr · fallback_lr_ratio` (their
-    learning rate) in the parameters' dtypes. Groups without tensors (a
-    checkpoint's, whose `params` are indices) are not checked here.
+    `lr_cov` and `damping` in the factors' (`preconditioner_dtype`, None: the
+    parameters'), and, for a group with fallback parameters,
+    `lr · fallback_lr_ratio` (their learning rate) in the parameters' dtypes.
+    Groups without tensors (a checkpoint's, whose `params` are indices) are not
+    checked here.
 
     Args:
         group: A parameter group with its `"params"`.

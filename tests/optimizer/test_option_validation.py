@@ -72,9 +72,13 @@ def test_non_finite_hyperparameter_is_rejected(
 
 def test_options_beyond_the_parameters_dtype_are_rejected_at_construction() -> None:
     """The step would pass them as `alpha` to float32 tensors, which fails."""
-    for cls, name in ((SINGD, "lr"), (SINGD, "lr_cov"), (KFAC, "weight_decay")):
+    names = [(SINGD, "lr"), (SINGD, "lr_cov"), (KFAC, "weight_decay")]
+    for cls, name in [*names, (SINGD, "damping"), (KFAC, "damping")]:
         with pytest.raises(ValueError, match=rf"{name} = 1e\+39 does not fit"):
             cls(make_model(), **{name: 1e39})
+    # IKFAC adds damping · KᵀK as `alpha`: 1e5 does not fit float16 factors
+    with pytest.raises(ValueError, match=r"damping = 100000 does not fit torch.f"):
+        SINGD(make_model().half(), kfac_like=True, damping=1e5)
     model = make_model().double()  # float64 holds it: the guard's business then
     optimizer = SINGD(model, lr=1e39, lr_cov=1e39)
     assert optimizer.param_groups[0]["lr"] == 1e39
@@ -138,6 +142,8 @@ EDITS = [
      ValueError, r"weight_decay = 1e\+39 does not fit torch.float32"),
     ("lr_cov-beyond-float32", lambda g: g.update(lr_cov=1e39), ValueError,
      r"lr_cov = 1e\+39 does not fit torch.float32 .* the factors it scales"),
+    ("damping-beyond-float32", lambda g: g.update(damping=1e39), ValueError,
+     r"damping = 1e\+39 does not fit torch.float32 .* the factors it scales"),
     ("lr_cov-returns-beyond-float32", lambda g: g.update(lr_cov=lambda s: 1e39),
      ValueError, r"param_groups\[0\] at step 3: lr_cov = 1e\+39 does not fit"),
     ("fallback-lr-beyond-float32", lambda g: g.update(fallback_lr_ratio=1e40),

@@ -368,13 +368,14 @@ def run_distributed_bench(args: Any) -> int:
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # torchrun sets rank, world size, address
     torch.set_num_threads(args.threads or 1)
+    tied = {model: ties_weights(build_workload(model).model) for model in args.models}
     settings = [
         Setting(model, structure, T, strategy)
         for model in args.models
         for structure in args.structures or ["dense"]
         for T in args.T
         for strategy in STRATEGIES
-        if not (strategy == OWNED and ties_weights(build_workload(model).model))
+        if not (strategy == OWNED and tied[model])
     ]
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     records = measure_distributed(

@@ -2,10 +2,10 @@ r"""Message buffers that a strategy keeps from one step to the next.
 
 A sharded step moves megabytes (on the MLP of the benchmarks at `T = 1` every
 process receives 9.8 MiB in the step's gather, and one process a 1.5 MiB half
-product point-to-point). Allocated
-afresh, such a buffer costs more than its copy on a CPU: the allocator maps
-tensors this large straight from the kernel and hands them back when they are
-freed, so every page is faulted in again on the first write, every step.
+product point-to-point). Allocated afresh, such a buffer costs more than its
+copy on a CPU: the allocator maps tensors this large straight from the kernel
+and hands them back when they are freed, so every page is faulted in again on
+the first write, every step.
 `Buffers` keeps one flat tensor per *slot* (what the message is, e.g. the
 step's gather or one layer's half product) and lends a prefix of it; it grows
 when a larger message comes (an update step gathers more than the steps

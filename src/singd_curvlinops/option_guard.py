@@ -21,7 +21,7 @@ every step makes its group be checked at every step, a few microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -105,15 +105,12 @@ def check_scalars_fit(
     parameters'), and, for a group with fallback parameters,
     `lr · fallback_lr_ratio` (their learning rate) in the parameters' dtypes.
     Groups without tensors (a checkpoint's, whose `params` are indices) are not
-    checked here.
+    checked here. A value that does not fit raises `check_fits`'s `ValueError`.
 
     Args:
         group: A parameter group with its `"params"`.
         where: The group's place for messages.
         holds_fallback: Whether the group holds fallback parameters.
-
-    Raises:
-        ValueError: Naming the option, its value and the dtype it does not fit.
     """
     params = [p for p in group.get("params", ()) if isinstance(p, Tensor)]
     if not params:
@@ -121,22 +118,40 @@ def check_scalars_fit(
     dtypes = {"parameters": {p.dtype for p in params}}
     chosen = group.get("preconditioner_dtype") or (None, None)
     dtypes["factors"] = {dtype or p.dtype for dtype in chosen for p in params}
-    values = {k: (group[k], dtypes[kind]) for k, kind in SCALARS.items() if k in group}
+    for name, kind in SCALARS.items():
+        if name in group:
+            check_fits(name, group[name], dtypes[kind], kind, where=where)
     if holds_fallback and "fallback_lr_ratio" in group:
         product = float(group["lr"]) * float(group["fallback_lr_ratio"])
-        values["lr · fallback_lr_ratio"] = (product, dtypes["parameters"])
-    for name, (value, kinds) in values.items():
-        if not isinstance(value, int | float):  # a callable lr_cov: `step_options`
-            continue
-        narrowest = min(kinds, key=lambda dtype: torch.finfo(dtype).max)
-        largest = torch.finfo(narrowest).max
-        if abs(float(value)) > largest:
-            scaled = SCALARS.get(name, "parameters")
-            raise ValueError(
-                f"{where}: {name} = {float(value):g} does not fit {narrowest} "
-                f"(largest {largest:g}), the dtype of the {scaled} it scales; "
-                "choose a smaller value."
-            )
+        name = "lr · fallback_lr_ratio"
+        check_fits(name, product, dtypes["parameters"], "parameters", where=where)
+
+
+def check_fits(
+    name: str, value: Any, dtypes: Iterable[torch.dtype], kind: str, *, where: str
+) -> None:
+    """Raise unless a number fits the narrowest of the dtypes it scales.
+
+    Args:
+        name: The option.
+        value: Its value (not a number, e.g. a callable `lr_cov`: not checked).
+        dtypes: The dtypes of the tensors it scales.
+        kind: What those tensors are (`SCALARS`' values), for the message.
+        where: The group's place for messages.
+
+    Raises:
+        ValueError: Naming the option, its value and the dtype it does not fit.
+    """
+    if not isinstance(value, int | float):  # a callable lr_cov: `step_options`
+        return
+    narrowest = min(dtypes, key=lambda dtype: torch.finfo(dtype).max)
+    largest = torch.finfo(narrowest).max
+    if abs(float(value)) > largest:
+        raise ValueError(
+            f"{where}: {name} = {float(value):g} does not fit {narrowest} "
+            f"(largest {largest:g}), the dtype of the {kind} it scales; "
+            "choose a smaller value."
+        )
 
 
 # the options that decide a layer's factors when the optimizer is built
@@ -263,9 +278,14 @@ class OptionGuard:
             step = layer_state["step"]
             options = self._rule.step_options(layer.options(group), step)
             if options:  # (a callable lr_cov's value must fit the factors too)
-                fits = {**options, "params": [layer.weight]}
-                fits["preconditioner_dtype"] = group["preconditioner_dtype"]
                 where = f"param_groups[{layer.group_index}] at step {step}"
-                check_scalars_fit(fits, where=where)
+                dtypes = {
+                    "factors": layer.factor_dtypes(group),
+                    "parameters": [p.dtype for p in layer.params],
+                }
+                for name, value in options.items():
+                    if name in SCALARS:
+                        kind = SCALARS[name]
+                        check_fits(name, value, dtypes[kind], kind, where=where)
                 values[layer] = options
         return values

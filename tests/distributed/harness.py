@@ -34,8 +34,8 @@ from singd_curvlinops.distributed import Shard
 BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
 STEPS = 6
 TOLERANCE = 1e-10
-CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30}  # 2 rows on 3 ranks: an
-# empty FSDP2 shard
+# classes per model ("two": 2 output rows on 3 ranks, an empty FSDP2 shard)
+CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30}
 TOKENS = 5  # positions per sequence of the "tied" model
 SPARSE = {
     "lr": 0.1,

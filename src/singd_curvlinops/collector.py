@@ -333,7 +333,11 @@ class StatisticsCollector:
         self._handed_over = curvature
 
     def take(
-        self, layer: Layer, loss_average: statistics.LossAverage, grad_scale: float
+        self,
+        layer: Layer,
+        loss_average: statistics.LossAverage,
+        grad_scale: float,
+        project: Callable[[tuple[Any, Any]], tuple[Any, Any]] | None = None,
     ) -> FactorStatistics | None:
         r"""Remove and return the statistics for a layer's factor update.
 
@@ -344,6 +348,8 @@ class StatisticsCollector:
             layer: The layer.
             loss_average: Its group's `loss_average` (for \(\nu\)).
             grad_scale: Scale of the output gradients in this step's statistics.
+            project: Applied to each orientation's raw statistics before they
+                combine (an owner's projection: `formed_statistics`), or None.
 
         Returns:
             The statistics, \(H_C\) scaled to the convention of \(U_C\); or None.
@@ -375,6 +381,8 @@ class StatisticsCollector:
                     "them until statistics arrive."
                 )
             return None
+        if project is not None:
+            terms = [project(term) for term in terms]
         return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
 
     def discard(self, layer: Layer) -> None:

@@ -205,20 +205,25 @@ class KroneckerOptimizer(
             None unless the layer's factors are due at its next step.
 
         Raises:
-            ValueError: For a layer tied to a transposed use under
-                `Shard(factors="owned")`, which does not support it.
+            ValueError: For a layer tied to a transposed use under a per-example
+                rule (EKFAC), which does not support it.
         """
         self._options.check(self.param_groups, (layer.group_index,))
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
         if not is_due(state, group):  # (its gradient arrives after this pass)
             return None
-        project = self._distribution.projection(layer)
+        options = layer.options(group)
+        project = self._distribution.projection(layer, self._rule, options)
         transposed = None
+        if project is not None and layer.twin is not None:  # its raw rows too
+            twin_options = layer.twin.options(group)
+            transposed = self._distribution.projection(
+                layer.twin, self._rule, twin_options
+            )
         if project is None:  # the rule's, with the current factors if it reads them
             reads = self._rule.reads_preconditioner
             record = self._records(layer, ()) if reads else None
-            options = layer.options(group)
             project = partial(self._rule.project, record, group=options)
             rows = self._distribution.rows == "projected"  # owners form them
             if rows and gram_rows.applies(layer, self._rule, options):
@@ -230,9 +235,8 @@ class KroneckerOptimizer(
         if layer.twin is not None and (transposed is None or self._rule.per_example):
             raise ValueError(
                 f"Layer {layer.name!r} is tied to a layer used transposed (an "
-                "embedding tied to an output layer), which neither "
-                "distribute=Shard(factors='owned') nor per-example rules (EKFAC) "
-                "support."
+                "embedding tied to an output layer), which per-example rules "
+                "(EKFAC) do not support."
             )
         dtypes = layer.factor_dtypes(group)
         state_validation.check_factor_dtypes(layer, state, dtypes, self._rule)

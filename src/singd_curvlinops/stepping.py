@@ -161,18 +161,24 @@ class LayerStepper:
         """
         return self._current_scale or self.state[layer.weight]["grad_scale"]
 
-    def take(self, layer: Layer) -> FactorStatistics | None:
+    def take(
+        self,
+        layer: Layer,
+        project: Callable[[tuple[Any, Any]], tuple[Any, Any]] | None = None,
+    ) -> FactorStatistics | None:
         """Remove and return the statistics of the layer's factor update.
 
         Args:
             layer: A due layer.
+            project: Applied to each orientation's raw statistics before they
+                are combined (see `StatisticsCollector.take`).
 
         Returns:
             The statistics (see `StatisticsCollector.take`), or None.
         """
-        return self._collector.take(
-            layer, self.group(layer)["loss_average"], self._statistics_scale(layer)
-        )
+        loss_average = self.group(layer)["loss_average"]
+        scale = self._statistics_scale(layer)
+        return self._collector.take(layer, loss_average, scale, project)
 
     def update(
         self,

@@ -5,8 +5,7 @@ import torch
 from torch import nn
 
 from singd_curvlinops import SINGD
-from singd_curvlinops.bench.distributed import factor_bytes, ties_weights
-from singd_curvlinops.bench.workloads import build_workload
+from singd_curvlinops.bench.distributed import factor_bytes
 from singd_curvlinops.cli import main
 
 
@@ -34,11 +33,3 @@ def test_factor_bytes_count_the_factors_and_momenta_only():
     optimizer = SINGD(model, structures=("dense", "diagonal"), momentum=0.9)
     entries = (4 * 4 + 4) + (5 * 5 + 2)  # K dense, C diagonal, per layer
     assert factor_bytes(optimizer) == 2 * entries * 4  # and their momenta, float32
-
-
-@pytest.mark.parametrize(
-    ("name", "tied"), [("gpt", True), ("mlp", False), ("vit", False)]
-)
-def test_the_owned_form_is_left_out_for_tied_weights_only(name, tied):
-    """`Shard(factors="owned")` rejects gpt's embedding tied to its output layer."""
-    assert ties_weights(build_workload(name).model) is tied

@@ -35,8 +35,9 @@ BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batc
 STEPS = 6
 TOLERANCE = 1e-10
 # classes per model ("two": 2 output rows on 3 ranks, an empty FSDP2 shard)
-CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30}
-TOKENS = 5  # positions per sequence of the "tied" model
+CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30, "embed": 30}
+TOKENS = 5  # positions per sequence of the "tied" and "embed" models
+SEQUENCES = ("tied", "embed")  # the models that read token sequences
 SPARSE = {
     "lr": 0.1,
     "lr_cov": 0.1,
@@ -66,8 +67,9 @@ class Case:
         kfac: The `KFAC` optimizer instead of `SINGD`.
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
             (Conv2d 2→3, Linear 48→2), `"norm"` (`"three"` with a LayerNorm
-            before the first Linear: fallback parameters) or `"tied"` (an
-            Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout).
+            before the first Linear: fallback parameters), `"tied"` (an
+            Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout) or
+            `"embed"` (the same without the tie: BERT's and Llama's layout).
         dtype: The model's and the data's dtype.
     """
 
@@ -88,10 +90,11 @@ class LastPosition(nn.Module):
 
 def build_model(name: str) -> nn.Sequential:
     torch.manual_seed(0)
-    if name == "tied":  # tokens → Embedding → Linear → head tied to the Embedding
-        embed = nn.Embedding(CLASSES["tied"], 8)
-        head = nn.Linear(8, CLASSES["tied"], bias=False)
-        head.weight = embed.weight
+    if name in SEQUENCES:  # tokens → Embedding → Linear → head (tied or not)
+        embed = nn.Embedding(CLASSES[name], 8)
+        head = nn.Linear(8, CLASSES[name], bias=False)
+        if name == "tied":
+            head.weight = embed.weight
         body = [embed, nn.Linear(8, 8), nn.Tanh(), head, LastPosition()]
         return nn.Sequential(*body).double()
     if name == "two":
@@ -150,9 +153,9 @@ def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
 
 def batch(step: int, model: str) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(step)
-    if model == "tied":  # token sequences; the target: the next token
+    if model in SEQUENCES:  # token sequences; the target: the next token
         tokens = torch.randint(
-            0, CLASSES["tied"], (BATCH, TOKENS + 1), generator=generator
+            0, CLASSES[model], (BATCH, TOKENS + 1), generator=generator
         )
         return tokens[:, :-1], tokens[:, -1]
     X = torch.randn(BATCH, 2, 8, 8, generator=generator, dtype=torch.float64)

@@ -36,12 +36,12 @@ from tests.distributed.harness import (
     KFAC_OPTIONS,
     SPARSE,
     STEPS,
+    TOKENS,
     Case,
     batch,
     build_model,
     make_optimizer,
     params,
-    strategy,
     train,
     train_heads,
     train_step,
@@ -84,6 +84,20 @@ CASES_W2 = {
     "tied_ikfac": Case(IKFAC, model="tied"),
     "tied_kfac": Case(KFAC_OPTIONS, kfac=True, model="tied"),
     "tied_accumulate": Case(DENSE, "accumulate", model="tied"),
+    # under owned factors the owner projects each orientation's raw statistics
+    # with its factors, then combines them (before 2026-12-02: a ValueError)
+    "tied_owned": Case(DENSE, distribute="owned", model="tied"),
+    "tied_owned_sparse": Case(SPARSE, distribute="owned", model="tied"),
+    "tied_owned_kfac": Case(KFAC_OPTIONS, distribute="owned", kfac=True, model="tied"),
+    "tied_owned_accumulate": Case(DENSE, "accumulate", "owned", model="tied"),
+    # an embedding's one-hot side under owned factors: its diagonal travels
+    # (before 2026-12-02 the hooks failed on its rows), as does a diagonal side's
+    "embed_owned": Case(DENSE, distribute="owned", model="embed"),
+    "embed_owned_ikfac": Case(IKFAC, distribute="owned", model="embed"),
+    "embed_owned_kfac": Case(
+        KFAC_OPTIONS, distribute="owned", kfac=True, model="embed"
+    ),
+    "embed_owned_accumulate": Case(DENSE, "accumulate", "owned", model="embed"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -97,6 +111,8 @@ CASES_W3 = {
     "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
     "fallback_ikfac": Case(IKFAC, model="norm"),
     "tied_dense": Case(DENSE, model="tied"),  # the tied layer split: a relay
+    "embed_owned": Case(DENSE, distribute="owned", model="embed"),
+    "tied_owned": Case(IKFAC, distribute="owned", model="tied"),
 }
 RESUME_AT = 3
 
@@ -141,6 +157,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")
+    _resume(results, out, Case(DENSE, distribute="owned", model="tied"), "owned-tied")
     for saved, loaded in (
         ("replicate", "shard"),
         ("replicate", "owned"),
@@ -248,14 +265,19 @@ def _bytes(results: dict[str, Any]) -> None:
         ("owned", Case(SPARSE, distribute="owned")),
         ("owned_dense", Case({**DENSE, "T": 2}, distribute="owned")),  # a helper
         ("factors", Case(SPARSE, distribute="factors")),
+        # the embedding's one-hot side and IKFAC's diagonal sides: their diagonals
+        ("owned_embed", Case(IKFAC, distribute="owned", model="embed")),
     ):
         model = build_model(case.model)
         net = wrap(case, model)
         optimizer = make_optimizer(case, net)
-        # rows of statistics per rank: the convolution's 4 x 4 output positions
+        # rows of statistics per rank: the convolution's 4 x 4 output positions,
+        # a sequence's positions (`"expand"`); none for the embedding's lookups
+        positions = TOKENS if case.model == "embed" else 1
         rows = {
-            layer.name: local * (16 if layer.weight.dim() == 4 else 1)
+            layer.name: local * (16 if layer.weight.dim() == 4 else positions)
             for layer in optimizer.layers
+            if not isinstance(layer.sites[0].module, nn.Embedding)
         }
         for step in range(2):  # T = 2: an update step, then a plain one
             recorded = _recorded(partial(train_step, case, net, optimizer, step))
@@ -264,7 +286,7 @@ def _bytes(results: dict[str, Any]) -> None:
                 optimizer, update=step == 0, rows=rows
             )
         results[f"bytes/{name}/dense"] = bytes_per_step(optimizer, update=True)
-    for distribute in ("replicate", "shard"):  # a twin's statistics travel too
+    for distribute in ("replicate", "shard", "owned"):  # a twin's statistics too
         case = Case(DENSE, distribute=distribute, model="tied")
         net = wrap(case, build_model(case.model))
         optimizer = make_optimizer(case, net)
@@ -373,7 +395,6 @@ def misuse(results: dict[str, Any], out: Path) -> None:
     results["misuse/fsdp_owned"] = _error(
         lambda: train(Case(SPARSE, "fsdp", "owned"), steps=1)
     )
-    results["misuse/tied/owned"] = _error(partial(_tied, "owned"))
     alone, _ = dist.new_subgroups(group_size=1)  # each rank a group of its own
     everyone = dist.new_group(list(range(dist.get_world_size())))
     for distribute in ("replicate", "shard"):
@@ -394,19 +415,6 @@ def _error(function: Any) -> str:
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
-
-
-def _tied(distribute: str) -> None:
-    """One step of an embedding tied to its output layer."""
-    torch.manual_seed(0)
-    embed = nn.Embedding(11, 8)
-    head = nn.Linear(8, 11, bias=False)
-    head.weight = embed.weight
-    net = DistributedDataParallel(nn.Sequential(embed, head))
-    optimizer = SINGD(net, lr=1e-3, distribute=strategy(distribute))
-    tokens = torch.randint(11, (4, 5), generator=torch.Generator().manual_seed(0))
-    F.cross_entropy(net(tokens).reshape(-1, 11), tokens.reshape(-1)).backward()
-    optimizer.step()
 
 
 def _ddp_over(group: Any, distribute: str) -> None:

@@ -15,7 +15,10 @@ import torch
 from singd_curvlinops.distributed.gram_rows import (
     GramRows,
     as_structured,
+    diagonal_statistics,
     project_to_rows,
+    raw_statistics,
+    raw_zeros,
     statistics_on_owner,
 )
 from singd_curvlinops.pending import PendingStatistics
@@ -25,7 +28,8 @@ from singd_curvlinops.rules import (
     Preconditioner,
     SINGDRule,
 )
-from singd_curvlinops.structures import DenseMatrix
+from singd_curvlinops.statistics import SparseRows
+from singd_curvlinops.structures import DenseMatrix, DiagonalMatrix
 
 TOLERANCE = 1e-12
 
@@ -138,6 +142,61 @@ def test_owners_project_a_side_of_rows_and_a_dense_side(
     owned = statistics_on_owner(stepper, layer, FactorStatistics(collected=raw))
     for kept, reference in zip(owned.collected, expected, strict=True):
         assert _close(kept.to_dense(), reference.to_dense())
+
+
+@pytest.mark.parametrize("rule", [SINGDRule(), KFACRule()], ids=["singd", "kfac"])
+def test_owners_project_one_hot_and_diagonal_sides_from_their_diagonals(
+    rule: object,
+) -> None:
+    """An embedding's one-hot input side and a `"diagonal"` output side keep only
+    their Gram matrices' diagonals, and the owner's projection equals the hooks'
+    on one process (no `V x V` matrix is formed on the way)."""
+    vocabulary, width = 7, 4
+    tokens = torch.tensor([0, 3, 3, 6, 1])
+    a = SparseRows(
+        tokens, torch.full((5,), 0.5, dtype=torch.float64), vocabulary, num_rows=5
+    )
+    g = _rows(5, width, 13)
+    group = {"structures": ("diagonal", "diagonal")}
+    K = DiagonalMatrix(_rows(1, vocabulary, 14)[0])
+    C = DiagonalMatrix(_rows(1, width, 15)[0])
+    record = (
+        Preconditioner(K, C, square_roots=True) if rule.reads_preconditioner else None
+    )
+    expected = rule.project(record, a, g.clone(), group=group)
+    layer = SimpleNamespace(dims=(vocabulary, width), diagonal_sides=(True, False))
+    diagonal = diagonal_statistics(layer, rule, group)
+    assert diagonal == (True, True)  # one-hot, and a diagonal factor
+    g_before = g.clone()
+    raw = raw_statistics(diagonal)(a, g)
+    assert torch.equal(g, g_before)
+    assert [type(M) for M in raw] == [DiagonalMatrix, DiagonalMatrix]
+    assert [M.numel() for M in raw] == [vocabulary, width]
+    zeros = raw_zeros(layer.dims, (torch.float64,) * 2, torch.device("cpu"), diagonal)
+    for M, zero in zip(raw, zeros, strict=True):  # (an idle rank's, same layout)
+        assert type(zero) is type(M) and zero.numel() == M.numel()
+        M.add_(zero)
+    stepper = SimpleNamespace(
+        rule=rule,
+        preconditioner=lambda layer, sides: record,
+        group=lambda _: group,
+    )
+    owned = statistics_on_owner(stepper, layer, FactorStatistics(collected=raw))
+    for kept, reference in zip(owned.collected, expected, strict=True):
+        assert isinstance(kept, DiagonalMatrix)
+        assert _close(kept.to_dense(), reference.to_dense())
+
+
+def test_dense_sides_keep_their_rows_unless_their_factor_is_diagonal() -> None:
+    layer = SimpleNamespace(dims=(6, 4), diagonal_sides=(False, False))
+    dense = {"structures": ("dense", "dense")}
+    assert diagonal_statistics(layer, SINGDRule(), dense) == (False, False)
+    mixed = {"structures": ("dense", "diagonal")}
+    assert diagonal_statistics(layer, KFACRule(), mixed) == (False, True)
+    a, g = _rows(3, 6, 16), _rows(3, 4, 17)
+    H_K, H_C = raw_statistics((False, True))(a, g)
+    assert isinstance(H_K, GramRows) and H_K.rows is a  # the hooks' buffer, kept
+    assert _close(H_C.to_dense(), torch.diag(torch.diag(g.T @ g)))
 
 
 def test_misuse_raises() -> None:

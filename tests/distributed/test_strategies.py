@@ -208,7 +208,7 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     assert update["statistics"] == bytes_per_update(optimizer, world_size=2)
     assert update["gather"] > plain["gather"]  # the updated factors travel too
     owned = SINGD(
-        _model(), structures=("diagonal", "diagonal"), distribute=Shard(factors="owned")
+        _model(), structures=("dense", "dense"), distribute=Shard(factors="owned")
     )
     # dense statistics to the owners (rows unknown: counted as matrices), and
     # the summary all-reduce of 6 + 2P float64 per layer
@@ -221,6 +221,14 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     # travel, 2 x d numbers each; the 3-dimensional side as its 3 x 3 entries
     rows = bytes_per_update(owned, world_size=2, rows=2)
     assert rows == (2 * (7 + 5 + 6) + 3 * 3) * 8 + summary
+    # diagonal factors read only the diagonal of the raw statistics: d numbers,
+    # never rows (before 2026-12-02: d x d)
+    diagonal = SINGD(
+        _model(), structures=("diagonal", "diagonal"), distribute=Shard(factors="owned")
+    )
+    for local in (None, 2):
+        sent = bytes_per_update(diagonal, world_size=2, rows=local)
+        assert sent == (7 + 5 + 6 + 3) * 8 + summary
 
 
 def test_kfacs_statistics_hooks_build_no_preconditioner(

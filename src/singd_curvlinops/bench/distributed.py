@@ -46,24 +46,6 @@ STRATEGIES: dict[str, Any] = {
     "shard, share factors": Shard(share="factors"),
     "shard, owned factors": Shard(factors="owned"),
 }
-OWNED = "shard, owned factors"  # (not for tied weights: `ties_weights`)
-
-
-def ties_weights(model: nn.Module) -> bool:
-    """Return whether a parameter of `model` is used by several modules.
-
-    An embedding tied to the output layer (the `gpt` workload) is trained by
-    every strategy but `Shard(factors="owned")`, which rejects it; the
-    benchmark leaves that setting out.
-
-    Args:
-        model: The model.
-
-    Returns:
-        Whether some parameter has more than one name.
-    """
-    names = [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
-    return len(names) != len(set(names))
 
 
 @dataclass(frozen=True)
@@ -368,14 +350,12 @@ def run_distributed_bench(args: Any) -> int:
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # torchrun sets rank, world size, address
     torch.set_num_threads(args.threads or 1)
-    tied = {model: ties_weights(build_workload(model).model) for model in args.models}
     settings = [
         Setting(model, structure, T, strategy)
         for model in args.models
         for structure in args.structures or ["dense"]
         for T in args.T
         for strategy in STRATEGIES
-        if not (strategy == OWNED and tied[model])
     ]
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     records = measure_distributed(
@@ -414,6 +394,5 @@ def preamble(args: Any) -> str:
         "another step (what every process receives); `relay`: the point-to-point "
         "half products (and a helper's factors) of split layers, every step, all "
         "processes' messages together; `MiB/step`: all of it averaged over T "
-        "steps, without DDP's gradient all-reduce. Models with tied weights (gpt) "
-        "have no owned-factors row (`Shard(factors='owned')` rejects them)."
+        "steps, without DDP's gradient all-reduce."
     )

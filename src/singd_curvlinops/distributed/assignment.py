@@ -371,7 +371,9 @@ def assign_layers(
             cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
         costs.append(cost)
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
-        dense_K = structures[0] == "dense"
-        columns.append(owned and type(rule) is SINGDRule and dense_K)
+        dense_K = structures[0] == "dense"  # (a tied layer's twin: not split)
+        columns.append(
+            owned and type(rule) is SINGDRule and dense_K and layer.twin is None
+        )
     plan = assign(costs, world, entries, columns, helpers=owned)
     return dict(zip(layers, plan, strict=True))

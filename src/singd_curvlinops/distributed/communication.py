@@ -47,7 +47,7 @@ from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_row_shards
-from singd_curvlinops.distributed.gram_rows import applies
+from singd_curvlinops.distributed.gram_rows import applies, diagonal_statistics
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.shard import Shard
@@ -72,8 +72,9 @@ def bytes_per_update(
 
     Returns:
         Size of the all-reduced buffer: every layer's (and every transposed
-        twin's: tied weights) stored entries of `H_K` and `H_C` (dense under
-        `Shard(factors="owned")`) plus one example count, in
+        twin's: tied weights) stored entries of `H_K` and `H_C` (under
+        `Shard(factors="owned")` dense, or a side's diagonal:
+        `gram_rows.diagonal_statistics`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
         each side to its owner (`owner_statistics`; with owned factors unless a
@@ -104,7 +105,10 @@ def bytes_per_update(
     keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
     for layer in keys:  # (a transposed twin's statistics travel as its own)
         group = layer.options(optimizer.param_groups[layer.group_index])
-        structures = ("dense", "dense") if dense else group["structures"]
+        structures = group["structures"]
+        if dense:  # raw statistics: dense, or a side's diagonal (`raw_statistics`)
+            diagonal = diagonal_statistics(layer, optimizer.rule, group)
+            structures = tuple("diagonal" if d else "dense" for d in diagonal)
         dtype = torch.promote_types(*layer.factor_dtypes(group))
         wide = wide or dtype == torch.float64
         local = rows.get(layer.name) if isinstance(rows, Mapping) else rows
@@ -112,7 +116,7 @@ def bytes_per_update(
         eligible = dense or applies(layer, optimizer.rule, group)
         kept = to_owners and local is not None and eligible
         for name, dim in zip(structures, layer.dims, strict=True):
-            as_rows = kept and 0 < local * world < dim
+            as_rows = kept and name == "dense" and 0 < local * world < dim
             total += (local * dim if as_rows else stored_entries(name, dim)) * (
                 dtype.itemsize
             )

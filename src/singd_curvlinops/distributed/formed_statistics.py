@@ -14,9 +14,10 @@ and one all-reduce (a minimum) makes the verdict every rank's:
 - `agreed`, in the exchange: per layer, whether the probe and the owners'
   combined statistics are finite (`PendingStatistics.agreed_finite`);
 - `take`, in the owned form's step: the owners form their layers' statistics
-  first; the step's inputs verdict takes whether all are finite
-  (`StepGuard.require`). The layers split by column blocks check theirs in
-  `columns.update`, from the gathered numbers.
+  first (each orientation of tied weights apart, then combined as the hooks
+  combine them on one process); the step's inputs verdict takes whether all
+  are finite (`StepGuard.require`). The layers split by column blocks check
+  theirs in `columns.update`, from the gathered numbers.
 
 Every rank then skips such a step as a whole, as one process does, instead of
 discarding the owners' factor updates and stepping with the previous factors.
@@ -25,6 +26,7 @@ discarding the owners' factor updates and stepping with the previous factors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,16 +61,34 @@ def take(
     """
     taken, formed = {}, []
     for layer in layers:
-        statistics = stepper.take(layer)
-        if form and statistics is not None and owns(layer):
-            statistics = statistics_on_owner(stepper, layer, statistics)
-            formed.append(statistics)
+        if form and owns(layer):  # each orientation (tied weights) projected
+            statistics = stepper.take(layer, partial(_project, stepper, layer))
+            if statistics is not None:
+                formed.append(statistics)
+        else:
+            statistics = stepper.take(layer)
         taken[layer] = statistics
     if form and layers:
         guard = stepper.guard
         ok = finite([t for s in formed for t in _tensors(s)], guard.device)
         guard.require(agree(ok.reshape(1)).reshape(()))
     return taken
+
+
+def _project(stepper: Any, layer: Layer, raw: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Return an owner's projection of one orientation's raw statistics.
+
+    Args:
+        stepper: The shell's `LayerStepper`.
+        layer: A layer this rank owns.
+        raw: The raw statistics of the layer's use, or of its twin's (tied
+            weights) in the layer's orientation.
+
+    Returns:
+        Their projection with the layer's factors (`statistics_on_owner`).
+    """
+    formed = statistics_on_owner(stepper, layer, FactorStatistics(collected=raw))
+    return formed.collected
 
 
 def agreed(

@@ -21,10 +21,12 @@ rows than \(d\), they are folded into the dense part \(D\) (memory stays at most
 numbers (`owner_statistics` decides per side, from every rank's row count).
 
 Under `Shard(factors="owned")` no rank but the owner holds a layer's factors, so
-the hooks keep the raw rows (\(B = a\), `project_to_rows` without factors), the
-owner receives them stacked, and `statistics_on_owner` projects them with the
-rule as one process would; `as_dense` hands dense \(U = B^\top B\) over where
-rows did not travel.
+the hooks keep the raw rows (\(B = a\), `raw_statistics`), the owner receives
+them stacked, and `statistics_on_owner` projects them with the rule as one
+process would. A side whose rows are one-hot (an embedding's input, `SparseRows`)
+keeps the diagonal of \(a^\top a\) instead: its factor is diagonal, so that
+diagonal is all its projection reads, and a vocabulary-sized \(V \times V\)
+matrix is never formed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from singd_curvlinops.rules import (
     Preconditioner,
     SINGDRule,
 )
-from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
+from singd_curvlinops.rules.factors import project_diagonal_gram
+from singd_curvlinops.statistics import SparseRows
+from singd_curvlinops.structures import DenseMatrix, DiagonalMatrix, StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
 
@@ -249,6 +253,95 @@ def project_to_rows(
     return project
 
 
+def diagonal_statistics(
+    layer: Layer, rule: FactorRule, group: Mapping[str, Any]
+) -> tuple[bool, bool]:
+    r"""Return which sides keep only the diagonal of their raw statistics.
+
+    A side of one-hot rows (an embedding's input), and under SINGD or KFAC a
+    side whose factor is `"diagonal"`: its projection reads only the diagonal
+    of \(U = a^\top a\) (`project_diagonal_gram`), so \(d\) numbers stand for
+    the \(d \times d\) matrix (or the rows, which a wide layer can have more of
+    than \(d\)).
+
+    Args:
+        layer: The layer.
+        rule: The factor rule.
+        group: The layer's options.
+
+    Returns:
+        `(K, C)`.
+    """
+    known = type(rule) in (SINGDRule, KFACRule)
+    names = rule.structures(group) if known else ("", "")
+    return tuple(  # type: ignore[return-value]
+        one_hot or name == "diagonal"
+        for one_hot, name in zip(layer.diagonal_sides, names, strict=True)
+    )
+
+
+def raw_statistics(diagonal: tuple[bool, bool]) -> Projection:
+    r"""Return the hooks' raw statistics \(a^\top a\), \(g^\top g\) (owned factors).
+
+    Dense rows are kept as `GramRows`, except on a side that keeps only the
+    diagonal (`diagonal_statistics`): then the diagonal of the Gram matrix, as
+    a `DiagonalMatrix` (one-hot rows, `SparseRows`, always are).
+
+    Args:
+        diagonal: Per side, whether it keeps only the diagonal.
+
+    Returns:
+        `(a, g) -> (statistics of a, statistics of g)`; `a` is the hooks'
+        buffer (kept), `g` may be autograd's (copied if kept).
+    """
+
+    def project(a: Any, g: Any) -> tuple[Any, Any]:
+        return _raw(a, diagonal[0], copy=False), _raw(g, diagonal[1], copy=True)
+
+    return project
+
+
+def _raw(rows: Any, diagonal: bool, *, copy: bool) -> GramRows | DiagonalMatrix:
+    """Return one side's raw statistics (see `raw_statistics`).
+
+    Args:
+        rows: Dense or one-hot rows.
+        diagonal: Whether only the diagonal is kept.
+        copy: Whether dense rows kept as `GramRows` must be copied.
+
+    Returns:
+        `GramRows`, or the diagonal of the rows' Gram matrix.
+    """
+    if isinstance(rows, SparseRows):
+        return DiagonalMatrix(rows.gram_diagonal())
+    if diagonal:
+        return DiagonalMatrix(rows.square().sum(0))
+    return GramRows(rows.clone() if copy else rows)
+
+
+def raw_zeros(
+    dims: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    device: torch.device,
+    diagonal: tuple[bool, bool],
+) -> tuple[StructuredMatrix, StructuredMatrix]:
+    """Return zero raw statistics, for a rank whose hooks saw no examples.
+
+    Args:
+        dims: `(d_K, d_C)`.
+        dtypes: Their dtypes.
+        device: Their device.
+        diagonal: Per side, whether it keeps only the diagonal.
+
+    Returns:
+        Per side a zero `DiagonalMatrix` or `DenseMatrix` (`raw_statistics`).
+    """
+    return tuple(  # type: ignore[return-value]
+        (DiagonalMatrix if keep else DenseMatrix).zeros(dim, dtype=dtype, device=device)
+        for dim, dtype, keep in zip(dims, dtypes, diagonal, strict=True)
+    )
+
+
 def as_dense(statistics: FactorStatistics) -> FactorStatistics:
     r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
 
@@ -275,8 +368,9 @@ def statistics_on_owner(
     project the sides that arrived as rows here as their hooks would on one
     process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
     rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
-    \(U = R^\top R\)), and a side that arrived as \(U\) with `project_dense`.
-    Other rules get the dense \(U_K\), \(U_C\) handed over.
+    \(U = R^\top R\)), a side that arrived as \(U\) with `project_dense`, and
+    a one-hot side from its diagonal (`project_diagonal_gram`). Other rules get
+    the dense \(U_K\), \(U_C\) handed over.
 
     Args:
         stepper: The shell's `LayerStepper`.
@@ -294,18 +388,45 @@ def statistics_on_owner(
         M.rows if isinstance(M, GramRows) and M.num_rows is not None else None
         for M in collected
     ]
-    if all(R is None for R in rows):
-        return as_dense(statistics)
     record = stepper.preconditioner(layer, ()) if rule.reads_preconditioner else None
     group = stepper.group(layer)
-    present = next(R for R in rows if R is not None)
-    stand_ins = [  # no rows for a side that arrived dense (projected below)
-        present.new_zeros(0, dim) if R is None else R
-        for R, dim in zip(rows, layer.dims, strict=True)
-    ]
-    projected = list(rule.project(record, *stand_ins, group=group))
+    projected: list[Any] = [None, None]
+    present = next((R for R in rows if R is not None), None)
+    if present is not None:
+        stand_ins = [  # no rows for a side that arrived formed (projected below)
+            present.new_zeros(0, dim) if R is None else R
+            for R, dim in zip(rows, layer.dims, strict=True)
+        ]
+        projected = list(rule.project(record, *stand_ins, group=group))
     for side, R in enumerate(rows):
         if R is None:
-            U = as_structured(collected[side]).to_dense()
-            projected[side] = rule.project_dense(record, U, side, group=group)
+            formed = collected[side]
+            projected[side] = _project_formed(rule, record, formed, side, group)
     return FactorStatistics(collected=tuple(projected))
+
+
+def _project_formed(
+    rule: FactorRule,
+    record: Preconditioner | None,
+    matrix: Any,
+    side: int,
+    group: Mapping[str, Any],
+) -> StructuredMatrix:
+    r"""Project a side that arrived formed: a one-hot side's diagonal, or \(U\).
+
+    Args:
+        rule: SINGD's or KFAC's rule.
+        record: The layer's factors (None for KFAC).
+        matrix: The side's combined raw statistics: the diagonal of
+            \(a^\top a\) of one-hot rows (`raw_statistics`), or \(U\).
+        side: 0 (\(K\)) or 1 (\(C\)).
+        group: The layer's options.
+
+    Returns:
+        The side's statistics as the rule's hooks would form them.
+    """
+    if isinstance(matrix, DiagonalMatrix):  # (no V x V matrix is formed)
+        factor = None if record is None else (record.K, record.C)[side]
+        return project_diagonal_gram(factor, matrix.diag)
+    U = as_structured(matrix).to_dense()
+    return rule.project_dense(record, U, side, group=group)

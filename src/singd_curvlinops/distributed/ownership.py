@@ -13,8 +13,8 @@ every rank in one `all_gather` (for `state_dict()` and for a new assignment);
 \(K\), \(m_K\): `drop` cuts them out, `gather` puts them together. Their
 shapes, dtypes and types come from the rule's `init_state` on the meta device.
 Without the factors, the statistics hooks keep the raw rows \(a\), \(\tilde g\)
-(`gram_rows`; `dense_statistics` for rows that are not a dense tensor), which
-the owners project themselves (`engine`).
+(`gram_rows.raw_statistics`; a side's diagonal where that is all its projection
+reads), which the owners project themselves (`engine`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from singd_curvlinops.distributed.layout import (
 )
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
-from singd_curvlinops.structures import DenseMatrix
 
 State = dict[Parameter, dict[str, Any]]
 
@@ -268,37 +267,3 @@ def gathered(
         yield
     finally:
         drop(state, plan, rule, owned=owned)
-
-
-def dense_statistics(a: Tensor, g: Tensor) -> tuple[DenseMatrix, DenseMatrix]:
-    r"""Return the dense \(a^\top a\), \(g^\top g\) (no factor needed).
-
-    Args:
-        a: Input rows `[rows, d_K]`.
-        g: Output-gradient rows `[rows, d_C]`.
-
-    Returns:
-        The two dense matrices.
-    """
-    return DenseMatrix.from_mat_inner(a.T), DenseMatrix.from_mat_inner(g.T)
-
-
-def dense_zeros(
-    dims: tuple[int, int],
-    dtypes: tuple[torch.dtype, torch.dtype],
-    device: torch.device,
-) -> tuple[DenseMatrix, DenseMatrix]:
-    """Return dense zero statistics.
-
-    Args:
-        dims: `(d_K, d_C)`.
-        dtypes: Their dtypes.
-        device: Their device.
-
-    Returns:
-        Two dense zero matrices.
-    """
-    return tuple(
-        DenseMatrix.zeros(dim, dtype=dtype, device=device)
-        for dim, dtype in zip(dims, dtypes, strict=True)
-    )

@@ -89,19 +89,25 @@ class Shard(DistributionStrategy):
         """Whether owners check factor updates alone: on several ranks."""
         return world_size() > 1
 
-    def projection(self, layer: Layer) -> Projection | None:
+    def projection(
+        self, layer: Layer, rule: FactorRule, group: dict[str, Any]
+    ) -> Projection | None:
         """Return the raw rows' statistics if only owners keep factors (else None).
 
         Args:
             layer: The layer.
+            rule: The factor rule.
+            group: The layer's options.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` kept as the rows (`gram_rows`), for several
-            processes and `factors="owned"`; else None.
+            `(a, g) -> (aᵀa, gᵀg)` kept as the rows, or a side's diagonal
+            (`gram_rows.raw_statistics`), for several processes and
+            `factors="owned"`; else None.
         """
         if self.rows != "raw":
             return None
-        return gram_rows.project_to_rows(None, ownership.dense_statistics)
+        diagonal = gram_rows.diagonal_statistics(layer, rule, group)
+        return gram_rows.raw_statistics(diagonal)
 
     @property
     def rows(self) -> str | None:  # type: ignore[override]

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed import collectives, ownership
+from singd_curvlinops.distributed import collectives, gram_rows
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
@@ -71,11 +71,15 @@ class DistributionStrategy:
         """
         return f"{type(self).__name__}()"
 
-    def projection(self, layer: Layer) -> Projection | None:
+    def projection(
+        self, layer: Layer, rule: FactorRule, group: dict[str, Any]
+    ) -> Projection | None:
         """Return how the hooks turn a layer's rows into statistics.
 
         Args:
             layer: The layer.
+            rule: The factor rule.
+            group: The layer's options.
 
         Returns:
             None: the rule's `project` with the layer's factors.
@@ -123,8 +127,9 @@ class DistributionStrategy:
         def zeros(layer: Layer) -> tuple[StructuredMatrix, StructuredMatrix]:
             group = layer.options(groups[layer.group_index])
             dtypes, device = layer.factor_dtypes(group), layer.weight.device
-            if self.projection(layer) is not None:
-                return ownership.dense_zeros(layer.dims, dtypes, device)
+            if self.projection(layer, rule, group) is not None:
+                diagonal = gram_rows.diagonal_statistics(layer, rule, group)
+                return gram_rows.raw_zeros(layer.dims, dtypes, device, diagonal)
             return rule.zero_statistics(group, layer.dims, dtypes, device)
 
         StatisticsExchange(

@@ -3,7 +3,8 @@ r"""How rules keep factors in a layer's state and turn rows into statistics.
 A factor lives in the state as its structure's tensors under `"<prefix>.<name>"`
 (`store_factor`, `load_factor`: the state stays a dictionary of tensors, as
 `torch.optim` checkpoints expect); `project_rows` and `gram` form the statistics
-\(\Pi(M^\top a^\top a M)\) and \(\Pi(a^\top a)\) from dense or one-hot rows.
+\(\Pi(M^\top a^\top a M)\) and \(\Pi(a^\top a)\) from dense or one-hot rows,
+`project_diagonal_gram` from the diagonal Gram matrix of one-hot rows.
 """
 
 from __future__ import annotations
@@ -63,8 +64,30 @@ def project_rows(
         `ValueError` for sparse rows and a factor that is not diagonal).
     """
     if isinstance(rows, SparseRows):
-        return DiagonalMatrix(_diagonal_of(M).square() * rows.gram_diagonal())
+        return project_diagonal_gram(M, rows.gram_diagonal())
     return M.from_inner_(rows.T) if overwrite else M.from_inner(rows.T)
+
+
+def project_diagonal_gram(
+    M: StructuredMatrix | None, diagonal: Tensor
+) -> DiagonalMatrix:
+    r"""Return \(\Pi(M^\top U M)\) for a diagonal \(U = \mathrm{diag}(u)\).
+
+    One-hot rows (`SparseRows`) have such a Gram matrix \(U = a^\top a\), and
+    the layer adapters make their factor diagonal: the result is
+    \(\mathrm{diag}(m^2 \odot u)\); without a factor (KFAC's \(\Pi(U)\)) it
+    is \(\mathrm{diag}(u)\).
+
+    Args:
+        M: A diagonal factor, or None.
+        diagonal: \(u\), `[d]`.
+
+    Returns:
+        The projection.
+    """
+    if M is None:
+        return DiagonalMatrix(diagonal)
+    return DiagonalMatrix(_diagonal_of(M).square() * diagonal)
 
 
 def gram(
@@ -87,7 +110,7 @@ def gram(
             raise ValueError(
                 f"One-hot rows need a diagonal factor, got {structure.__name__}."
             )
-        return DiagonalMatrix(rows.gram_diagonal())
+        return project_diagonal_gram(None, rows.gram_diagonal())
     return structure.from_mat_inner(rows.T)
 
 

@@ -55,11 +55,17 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.column_bounds import StepLimits, step_limits
-from singd_curvlinops.distributed.gram_rows import as_dense
+from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.factors import load_factor, store_factor
+from singd_curvlinops.rules import FactorStatistics
+from singd_curvlinops.rules.factors import (
+    load_factor,
+    project_diagonal_gram,
+    store_factor,
+)
 from singd_curvlinops.rules.singd import resolved_alpha1
+from singd_curvlinops.structures import DiagonalMatrix
 from singd_curvlinops.update import (
     FactorHyperparameters,
     factor_step,
@@ -110,11 +116,31 @@ def step(stepper: Any, layers: Sequence[tuple[Layer, bool]]) -> None:
         if due:
             statistics = stepper.take(layer)
             pending.append(
-                (layer, None if statistics is None else as_dense(statistics))
+                (layer, None if statistics is None else _dense_K(statistics))
             )
     update(stepper, pending)
     for layer, due in layers:
         stepper.finish(layer, due=due)
+
+
+def _dense_K(statistics: FactorStatistics) -> FactorStatistics:
+    r"""Return a split layer's statistics as dense \(U_K\) and \(U_C\).
+
+    A diagonal \(C\)'s raw statistics stay their diagonal (`DiagonalMatrix`,
+    `gram_rows.raw_statistics`): that is all its projection reads.
+
+    Args:
+        statistics: Collected raw statistics, or handed-over dense ones.
+
+    Returns:
+        Handed-over `(U_K, U_C)`.
+    """
+    if statistics.collected is None:
+        return statistics
+    U_K, U_C = statistics.collected
+    if not isinstance(U_C, DiagonalMatrix):
+        U_C = as_structured(U_C).to_dense()
+    return FactorStatistics(handed_over=(as_structured(U_K).to_dense(), U_C))
 
 
 def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
@@ -123,7 +149,7 @@ def update(stepper: Any, due: Sequence[tuple[Layer, Any]]) -> None:
     Args:
         stepper: The shell's `LayerStepper`.
         due: Per due split layer (same order on every rank), its statistics
-            (dense \(U_K\), \(U_C\), or None).
+            (dense \(U_K\), \(U_C\) or a diagonal \(C\)'s diagonal, or None).
     """
     work = [(layer, stats) for layer, stats in due if stats is not None]
     if not work:
@@ -247,16 +273,18 @@ def _block_step(
     return increment, K, traces_K, (H_C, CtC)
 
 
-def _projected_C(C: Any, U_C: Tensor) -> tuple[Any, Any]:
+def _projected_C(C: Any, U_C: Tensor | DiagonalMatrix) -> tuple[Any, Any]:
     r"""Return \(H_C = \Pi(C^\top U_C C)\) and \(\Pi(C^\top C)\) (as `SINGDRule`).
 
     Args:
         C: The factor.
-        U_C: The dense statistics.
+        U_C: The dense statistics, or the diagonal of a diagonal \(C\)'s.
 
     Returns:
         Both projections.
     """
+    if isinstance(U_C, DiagonalMatrix):
+        return project_diagonal_gram(C, U_C.diag), C.from_inner()
     product = C.rmatmat(C.rmatmat(U_C.to(C.dtype)).T)
     return C.from_dense((product + product.T) / 2), C.from_inner()
 

@@ -23,10 +23,10 @@ numbers (`owner_statistics` decides per side, from every rank's row count).
 Under `Shard(factors="owned")` no rank but the owner holds a layer's factors, so
 the hooks keep the raw rows (\(B = a\), `raw_statistics`), the owner receives
 them stacked, and `statistics_on_owner` projects them with the rule as one
-process would. A side whose rows are one-hot (an embedding's input, `SparseRows`)
-keeps the diagonal of \(a^\top a\) instead: its factor is diagonal, so that
-diagonal is all its projection reads, and a vocabulary-sized \(V \times V\)
-matrix is never formed.
+process would. A side whose factor is diagonal (always that of one-hot rows, an
+embedding's input: `SparseRows`) keeps the diagonal of \(a^\top a\) instead:
+that is all its projection reads, and a vocabulary-sized \(V \times V\) matrix
+is never formed (`diagonal_statistics`).
 """
 
 from __future__ import annotations

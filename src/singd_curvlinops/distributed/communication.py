@@ -96,10 +96,7 @@ def bytes_per_update(
         ).values()
     )
     to_owners = (
-        isinstance(strategy, Shard)
-        and not columns
-        and not optimizer.rule.per_example
-        and not any(layer.twin is not None or layer.swapped for layer in layers)
+        isinstance(strategy, Shard) and not columns and not optimizer.rule.per_example
     )
     wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
     keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
@@ -194,8 +191,10 @@ def bytes_per_step(
     if update:  # the agreement on what the owners formed (`formed_statistics`)
         if strategy.factors == "owned":
             verdicts += len(split) < len(layers)
-        elif owner_ranks(plan, layers, rule, owned=False) is not None:
-            verdicts += len(layers)
+        else:  # per due layer and transposed twin (tied weights)
+            keys = [k for layer in layers for k in (layer, layer.twin) if k]
+            if owner_ranks(plan, keys, rule, owned=False) is not None:
+                verdicts += len(keys)
     return {
         "statistics": statistics,
         "gather": gathered,

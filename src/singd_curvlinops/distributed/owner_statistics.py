@@ -54,8 +54,11 @@ agree on what the owners formed (`formed_statistics.agreed`), the step's input
 verdict reads it (`PendingStatistics.agreed_finite`, the same on every rank), and
 every rank skips the step as the all-reduce (and one process) would. A rank's
 statistics of sides it neither owns nor needs the trace of stay its own, unused.
-Per-example rows (EKFAC), twins (tied weights: `pending.kronecker_sum`), column
-blocks and replicated layers keep the all-reduce (`owner_ranks` gives None).
+A transposed twin (tied weights) is reduced to its layer's owners with the sides
+swapped: `pending.kronecker_sum` combines the two orientations from each side's
+statistics and the other side's average trace, which is what an owner holds.
+Per-example rows (EKFAC), column blocks and replicated layers keep the
+all-reduce (`owner_ranks` gives None).
 """
 
 from __future__ import annotations
@@ -103,18 +106,15 @@ def owner_ranks(
     """
     if rule.per_example:
         return None
+    tied = {layer.twin: layer for layer in plan if layer.twin is not None}
     owners = []
-    for layer in layers:
-        assignment = plan.get(layer)
-        if (
-            assignment is None
-            or assignment.columns
-            or layer.twin is not None
-            or layer.swapped
-        ):
+    for layer in layers:  # (a transposed twin: its layer's owners, sides swapped)
+        assignment = plan.get(tied.get(layer, layer))
+        if assignment is None or assignment.columns:
             return None
         K, C = assignment.owners
-        owners.append((K, C) if rule.splits_sides else (K, K))
+        pair = (K, C) if rule.splits_sides else (K, K)
+        owners.append(pair[::-1] if layer.swapped else pair)
     return owners
 
 

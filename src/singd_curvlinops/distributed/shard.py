@@ -154,8 +154,8 @@ class Shard(DistributionStrategy):
             ValueError: For `factors="owned"` with FSDP2 row-sharded layers.
         """
         # A transposed twin (tied weights) shares its layer's factors, owner and
-        # work: its statistics are all-reduced next to the layer's
-        # (`owner_ranks`) and merged into them (`pending.kronecker_sum`).
+        # work: its statistics go to the layer's owners, sides swapped
+        # (`owner_ranks`), and are merged into them (`pending.kronecker_sum`).
         layers = [layer for layer in layers if not layer.swapped]
         if self._owned and any(is_sharded(layer) for layer in layers):
             raise ValueError(

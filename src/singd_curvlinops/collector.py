@@ -10,11 +10,11 @@ gradients (`hooks.UsePasses`: not a gradient penalty's `autograd.grad` w.r.t. th
 inputs) that hook turns input and output gradient into the rows \(a\), \(\tilde g\)
 (the adapter, curvlinops' conventions), brings them into the layer's layout (bias
 column, output rows of a partial use) and hands them to the optimizer's rule,
-which forms one use's statistics \((H_K, H_C)\). Uses
-accumulate in a `PendingStatistics` record (`singd_curvlinops.pending`: uses of one
-backward pass concatenate, passes average), scaled at hand-out by \(\nu(N)\)
-(`statistics.gradient_scale`) and the gradient-scale correction; a layer with
-transposed uses combines both orientations (`pending.kronecker_sum`). For a rule
+which forms one use's statistics \((H_K, H_C)\). Uses accumulate in a
+`PendingStatistics` record (`singd_curvlinops.pending`: uses of one backward pass
+concatenate, passes average), scaled at hand-out by \(\nu(N)\) and the
+gradient-scale correction, both orientations of a tied weight combined
+(`pending.hand_out`). For a rule
 that needs per-example gradients (`FactorRule.per_example`, EKFAC), the uses'
 `"expand"` rows are also kept, in an `ExampleGradients` record that the rule's
 update turns into sums of squares (scaled like \(H_C\)).
@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Module
 
 from singd_curvlinops import statistics
 from singd_curvlinops._warnings import warn
@@ -56,7 +56,12 @@ from singd_curvlinops.hooks import (
 )
 from singd_curvlinops.layers import Layer, Site, Use
 from singd_curvlinops.layers.rows import use_rows
-from singd_curvlinops.pending import PendingStatistics, backward_pass_id, kronecker_sum
+from singd_curvlinops.pending import (
+    Pair,
+    PendingStatistics,
+    backward_pass_id,
+    hand_out,
+)
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import FactorStatistics
 
@@ -291,45 +296,13 @@ class StatisticsCollector:
                 pending.examples.add(a, g, counts["examples"], counts["pass_id"])
 
     # ------------------------------------------------------------ hand-out
-    def hand_over(
-        self,
-        factors: dict[Parameter, tuple[Tensor, Tensor]],
-        layers: Sequence[Layer],
-    ) -> None:
+    def hand_over(self, curvature: dict[Layer, tuple[Tensor, Tensor]]) -> None:
         """Make dense factors the statistics of the layers' next factor update.
 
         Args:
-            factors: `(U_K, U_C)` by layer weight (replaces an earlier hand-over).
-            layers: The layers that must be covered, exactly.
-
-        Raises:
-            ValueError: If `factors` covers other layers, or their dimensions do
-                not match; nothing is handed over then.
+            curvature: `(U_K, U_C)` by layer, every layer covered
+                (`curvature.by_layer`; replaces an earlier hand-over).
         """
-        by_weight = {layer.weight: layer for layer in layers}
-
-        def names(weights: set) -> list[str]:
-            return sorted(
-                by_weight[w].name if w in by_weight else str(tuple(w.shape))
-                for w in weights
-            )
-
-        if set(factors) != set(by_weight):
-            raise ValueError(
-                "The KFACLinearOperator must cover exactly the optimizer's layers: "
-                f"missing {names(set(by_weight) - set(factors))}, extra "
-                f"{names(set(factors) - set(by_weight))}."
-            )
-        curvature = {}
-        for weight, (U_K, U_C) in factors.items():
-            layer = by_weight[weight]
-            if (U_K.shape[0], U_C.shape[0]) != layer.dims:
-                raise ValueError(
-                    f"Layer {layer.name!r}: the operator's factors have dimensions "
-                    f"{(U_K.shape[0], U_C.shape[0])}, the layer {layer.dims} (is "
-                    "the bias included?)."
-                )
-            curvature[layer] = (U_K.detach(), U_C.detach())
         self._handed_over = curvature
 
     def take(
@@ -337,7 +310,7 @@ class StatisticsCollector:
         layer: Layer,
         loss_average: statistics.LossAverage,
         grad_scale: float,
-        project: Callable[[tuple[Any, Any]], tuple[Any, Any]] | None = None,
+        project: Callable[[Pair], Pair] | None = None,
     ) -> FactorStatistics | None:
         r"""Remove and return the statistics for a layer's factor update.
 
@@ -349,27 +322,20 @@ class StatisticsCollector:
             loss_average: Its group's `loss_average` (for \(\nu\)).
             grad_scale: Scale of the output gradients in this step's statistics.
             project: Applied to each orientation's raw statistics before they
-                combine (an owner's projection: `formed_statistics`), or None.
+                combine (`pending.hand_out`), or None.
 
         Returns:
-            The statistics, \(H_C\) scaled to the convention of \(U_C\); or None.
+            The statistics (`pending.hand_out`), or None.
         """
         handed_over = self._handed_over.pop(layer, None)
-        terms, examples = [], None
-        for key in (layer, layer.twin):
-            record = self.pending.pop(key, None) if key is not None else None
-            if record is not None:
-                unscale = (record.grad_scale / grad_scale) ** 2
-                nu = statistics.gradient_scale(loss_average, record.num_examples)
-                record.H_C.mul_(nu * unscale)
-                H_K, H_C = record.H_K, record.H_C
-                terms.append((H_C, H_K) if key.swapped else (H_K, H_C))
-                if record.examples is not None:  # (never for a twin: see the plan)
-                    examples = record.examples
-                    examples.scale = nu * unscale
+        records = [
+            (record, key.swapped)
+            for key in (layer, layer.twin)
+            if key is not None and (record := self.pending.pop(key, None)) is not None
+        ]
         if handed_over is not None:
             return FactorStatistics(handed_over=handed_over)
-        if not terms:
+        if not records:
             if layer.name not in self._warned:
                 self._warned.add(layer.name)
                 warn(
@@ -381,9 +347,7 @@ class StatisticsCollector:
                     "them until statistics arrive."
                 )
             return None
-        if project is not None:
-            terms = [project(term) for term in terms]
-        return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
+        return hand_out(records, loss_average, grad_scale, project)
 
     def discard(self, layer: Layer) -> None:
         """Drop a layer's pending statistics (its factors are not due).

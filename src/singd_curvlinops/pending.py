@@ -19,20 +19,27 @@ For one use per pass this is the old rule, so micro-batch accumulation still
 equals one pass over the concatenated batch. A backward pass is recognised by
 autograd's id of the running graph task.
 
-`kronecker_sum` combines the statistics of a layer's two orientations (a weight
-tied across orientations, see `Layer.twin`).
+`hand_out` turns a layer's records into the statistics of its factor update:
+\(\nu(N)\) and the gradient-scale correction on \(H_C\), a twin's record in the
+layer's orientation, and `kronecker_sum` combining the two orientations (a
+weight tied across orientations, see `Layer.twin`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from singd_curvlinops import statistics
 from singd_curvlinops.per_example import ExampleGradients
+from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.structures import StructuredMatrix
+
+Pair = tuple[Any, Any]  # one orientation's (H_K, H_C), in the layer's orientation
 
 
 def backward_pass_id() -> int | None:
@@ -151,6 +158,40 @@ class PendingStatistics:
             self.num_examples = total
         self.pass_id, self.pass_H_K = None, None
         self.pass_rows = self.pass_examples = 0
+
+
+def hand_out(
+    records: Sequence[tuple[PendingStatistics, bool]],
+    loss_average: statistics.LossAverage,
+    grad_scale: float,
+    project: Callable[[Pair], Pair] | None = None,
+) -> FactorStatistics:
+    r"""Return a layer's statistics for its factor update from its pending records.
+
+    Args:
+        records: The layer's record and its twin's (tied weights), each with
+            whether its sides are the layer's swapped (consumed: scaled in
+            place).
+        loss_average: The group's `loss_average` (for \(\nu\)).
+        grad_scale: Scale of the output gradients in this step's statistics.
+        project: Applied to each orientation's raw statistics before they
+            combine (an owner's projection: `formed_statistics`), or None.
+
+    Returns:
+        The statistics, \(H_C\) scaled to the convention of \(U_C\).
+    """
+    terms, examples = [], None
+    for record, swapped in records:
+        unscale = (record.grad_scale / grad_scale) ** 2
+        nu = statistics.gradient_scale(loss_average, record.num_examples)
+        record.H_C.mul_(nu * unscale)
+        H_K, H_C = record.H_K, record.H_C
+        term = (H_C, H_K) if swapped else (H_K, H_C)
+        terms.append(term if project is None else project(term))
+        if record.examples is not None:  # (never for a twin: see the plan)
+            examples = record.examples
+            examples.scale = nu * unscale
+    return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
 
 
 def kronecker_sum(

@@ -35,6 +35,7 @@ from singd_curvlinops import (
     _curvlinops,
     checkpoint,
     checkpoint_validation,
+    curvature,
     distributed,
     parameter_update,
     state_validation,
@@ -268,7 +269,8 @@ class KroneckerOptimizer(
         optimizer's, or dimensions that do not match.
         """
         factors = _curvlinops.kfac_factors(kfac)
-        self._collector.hand_over(factors, self._layers.active(self.param_groups))
+        layers = self._layers.active(self.param_groups)
+        self._collector.hand_over(curvature.by_layer(factors, layers))
 
     # -------------------------------------------------------------------- step
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:

@@ -207,7 +207,8 @@ class KroneckerOptimizer(
 
         Raises:
             ValueError: For a layer tied to a transposed use under a per-example
-                rule (EKFAC), which does not support it.
+                rule (EKFAC), or under `Shard(factors="owned")` with a rule
+                whose owners do not project raw statistics (`projects_raw`).
         """
         self._options.check(self.param_groups, (layer.group_index,))
         group = self.param_groups[layer.group_index]
@@ -217,7 +218,9 @@ class KroneckerOptimizer(
         options = layer.options(group)
         project = self._distribution.projection(layer, self._rule, options)
         transposed = None
-        if project is not None and layer.twin is not None:  # its raw rows too
+        # owned factors: the twin's raw rows too, if owners project (SINGD, KFAC)
+        raw_twin = project is not None and gram_rows.projects_raw(self._rule)
+        if raw_twin and layer.twin is not None:
             twin_options = layer.twin.options(group)
             transposed = self._distribution.projection(
                 layer.twin, self._rule, twin_options
@@ -237,7 +240,9 @@ class KroneckerOptimizer(
             raise ValueError(
                 f"Layer {layer.name!r} is tied to a layer used transposed (an "
                 "embedding tied to an output layer), which per-example rules "
-                "(EKFAC) do not support."
+                "(EKFAC) do not support, nor, under "
+                "distribute=Shard(factors='owned'), rules other than SINGD's and "
+                "KFAC's (their owners project each orientation)."
             )
         dtypes = layer.factor_dtypes(group)
         state_validation.check_factor_dtypes(layer, state, dtypes, self._rule)

@@ -22,13 +22,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from singd_curvlinops import SINGD
+from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.bench.distributed import (
     STRATEGIES,
     Setting,
     measure_distributed,
 )
-from singd_curvlinops.distributed import bytes_per_step
+from singd_curvlinops.distributed import Shard, bytes_per_step
+from singd_curvlinops.rules import KFACRule
 from tests.distributed.harness import (
     BATCH,
     DENSE,
@@ -146,8 +147,37 @@ def _equivalence(results: dict[str, Any], cases: dict[str, Case]) -> None:
             results[f"state/{name}"] = state
 
 
+class HandedOverRule(KFACRule):
+    """KFAC's rule as another type: its owners get dense `U` handed over."""
+
+
+class HandedOverKFAC(KFAC):
+    """`KFAC` with a rule whose owners do not project raw rows (`projects_raw`)."""
+
+    _rule_type = HandedOverRule
+
+
+def _other_rule(results: dict[str, Any]) -> None:
+    """Owned factors with a rule other than SINGD's and KFAC's; and tied weights."""
+    for model in ("three", "tied"):
+        case = Case(KFAC_OPTIONS, distribute="owned", kfac=True, model=model)
+        net = wrap(case, build_model(model))
+        optimizer = HandedOverKFAC(
+            net, distribute=Shard(factors="owned"), **case.options
+        )
+        run = partial(_train_steps, case, net, optimizer)
+        results[f"other_rule/{model}"] = _error(run)
+        results[f"params/other_rule/{model}"] = params(net.module)
+
+
+def _train_steps(case: Case, net: nn.Module, optimizer: Any) -> None:
+    for step in range(STEPS):
+        train_step(case, net, optimizer, step)
+
+
 def train_w2(results: dict[str, Any], out: Path) -> None:
     _equivalence(results, CASES_W2)
+    _other_rule(results)
     for distribute in ("shard", "owned"):
         _resume(results, out, Case(SPARSE, distribute=distribute), distribute)
     # grafting moments are every rank's (regression: dropped on non-owners at load)

@@ -20,6 +20,7 @@ from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
 from tests.distributed.harness import (
     CLASSES,
     DENSE,
+    KFAC_OPTIONS,
     TOLERANCE,
     Case,
     reference,
@@ -76,6 +77,19 @@ def test_two_ranks_equal_one_process(w2: list[dict[str, Any]], name: str) -> Non
     expected = reference(CASES_W2[name])
     for result in w2:
         _assert_close(result[f"params/{name}"], expected)
+
+
+def test_owners_hand_dense_statistics_to_other_rules(w2: list[dict]) -> None:
+    """A rule other than SINGD's and KFAC's gets dense `U` under owned factors (as
+    one process), and a weight tied to a transposed use raises a clear error on
+    every rank (its owners could not combine the two orientations)."""
+    expected = reference(Case(KFAC_OPTIONS, kfac=True))
+    for result in w2:
+        assert result["other_rule/three"] == "no error"
+        _assert_close(result["params/other_rule/three"], expected)
+        message = result["other_rule/tied"]
+        assert message.startswith("ValueError: Layer '0' is tied to a layer used")
+        assert "distribute=Shard(factors='owned')" in message
 
 
 @pytest.mark.parametrize("name", sorted(CASES_W3))

@@ -33,7 +33,11 @@ import torch
 
 from singd_curvlinops.bounds import finite
 from singd_curvlinops.distributed.collectives import agree, rank
-from singd_curvlinops.distributed.gram_rows import statistics_on_owner
+from singd_curvlinops.distributed.gram_rows import (
+    as_dense,
+    projects_raw,
+    statistics_on_owner,
+)
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorStatistics
 
@@ -61,34 +65,22 @@ def take(
     """
     taken, formed = {}, []
     for layer in layers:
-        if form and owns(layer):  # each orientation (tied weights) projected
-            statistics = stepper.take(layer, partial(_project, stepper, layer))
-            if statistics is not None:
-                formed.append(statistics)
+        owner = form and owns(layer)
+        if owner and projects_raw(stepper.rule):  # each orientation, then combined
+            project = partial(statistics_on_owner, stepper, layer)
+            statistics = stepper.take(layer, project)
         else:
             statistics = stepper.take(layer)
+            if owner:  # other rules project dense U themselves
+                statistics = as_dense(statistics)
+        if owner and statistics is not None:
+            formed.append(statistics)
         taken[layer] = statistics
     if form and layers:
         guard = stepper.guard
         ok = finite([t for s in formed for t in _tensors(s)], guard.device)
         guard.require(agree(ok.reshape(1)).reshape(()))
     return taken
-
-
-def _project(stepper: Any, layer: Layer, raw: tuple[Any, Any]) -> tuple[Any, Any]:
-    """Return an owner's projection of one orientation's raw statistics.
-
-    Args:
-        stepper: The shell's `LayerStepper`.
-        layer: A layer this rank owns.
-        raw: The raw statistics of the layer's use, or of its twin's (tied
-            weights) in the layer's orientation.
-
-    Returns:
-        Their projection with the layer's factors (`statistics_on_owner`).
-    """
-    formed = statistics_on_owner(stepper, layer, FactorStatistics(collected=raw))
-    return formed.collected
 
 
 def agreed(

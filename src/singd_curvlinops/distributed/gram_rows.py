@@ -272,8 +272,7 @@ def diagonal_statistics(
     Returns:
         `(K, C)`.
     """
-    known = type(rule) in (SINGDRule, KFACRule)
-    names = rule.structures(group) if known else ("", "")
+    names = rule.structures(group) if projects_raw(rule) else ("", "")
     return tuple(  # type: ignore[return-value]
         one_hot or name == "diagonal"
         for one_hot, name in zip(layer.diagonal_sides, names, strict=True)
@@ -342,16 +341,33 @@ def raw_zeros(
     )
 
 
-def as_dense(statistics: FactorStatistics) -> FactorStatistics:
+def projects_raw(rule: FactorRule) -> bool:
+    r"""Return whether owners project raw statistics with the rule's projection.
+
+    SINGD's and KFAC's statistics are Gram matrices, which their owners project
+    from the raw rows as the hooks would (`statistics_on_owner`, each orientation
+    of a tied weight apart); other rules get the dense \(U_K\), \(U_C\) handed
+    over (`as_dense`).
+
+    Args:
+        rule: The factor rule.
+
+    Returns:
+        Whether `statistics_on_owner` serves it.
+    """
+    return type(rule) in (SINGDRule, KFACRule)
+
+
+def as_dense(statistics: FactorStatistics | None) -> FactorStatistics | None:
     r"""Return collected dense statistics as handed-over dense \(U_K\), \(U_C\).
 
     Args:
-        statistics: Collected dense statistics (or already handed over).
+        statistics: Collected dense statistics (or already handed over, or None).
 
     Returns:
         The same numbers, in the form rules project themselves.
     """
-    if statistics.collected is None:
+    if statistics is None or statistics.collected is None:
         return statistics
     return FactorStatistics(
         handed_over=tuple(as_structured(M).to_dense() for M in statistics.collected)
@@ -359,34 +375,32 @@ def as_dense(statistics: FactorStatistics) -> FactorStatistics:
 
 
 def statistics_on_owner(
-    stepper: Any, layer: Layer, statistics: FactorStatistics
-) -> FactorStatistics:
+    stepper: Any, layer: Layer, raw: tuple[Any, Any]
+) -> tuple[StructuredMatrix, StructuredMatrix]:
     r"""Return the owner's statistics of a layer from the raw rows of all ranks.
 
     Under `Shard(factors="owned")` the hooks keep the raw rows \(a\),
     \(\tilde g\) (no rank but the owner holds the factors); SINGD and KFAC
-    project the sides that arrived as rows here as their hooks would on one
-    process (`project`: \(\Pi(K^\top R^\top R K)\) costs \(2 N d^2\) for \(N\)
-    rows, against \(2 d^3\) for \(\Pi(K^\top U K)\) from the dense
-    \(U = R^\top R\)), a side that arrived as \(U\) with `project_dense`, and
-    a one-hot side from its diagonal (`project_diagonal_gram`). Other rules get
-    the dense \(U_K\), \(U_C\) handed over.
+    (`projects_raw`) project the sides that arrived as rows here as their hooks
+    would on one process (`project`: \(\Pi(K^\top R^\top R K)\) costs
+    \(2 N d^2\) for \(N\) rows, against \(2 d^3\) for \(\Pi(K^\top U K)\)
+    from the dense \(U = R^\top R\)), a side that arrived as \(U\) with
+    `project_dense`, and a one-hot side from its diagonal
+    (`project_diagonal_gram`).
 
     Args:
         stepper: The shell's `LayerStepper`.
         layer: A layer this rank owns.
-        statistics: Its statistics after the exchange.
+        raw: One orientation's raw statistics after the exchange, in the
+            layer's orientation.
 
     Returns:
-        Collected (projected) statistics, or handed-over dense ones.
+        \((H_K, H_C)\) as the rule's hooks would form them.
     """
-    collected = statistics.collected
     rule = stepper.rule
-    if collected is None or type(rule) not in (SINGDRule, KFACRule):
-        return as_dense(statistics)
     rows = [
         M.rows if isinstance(M, GramRows) and M.num_rows is not None else None
-        for M in collected
+        for M in raw
     ]
     record = stepper.preconditioner(layer, ()) if rule.reads_preconditioner else None
     group = stepper.group(layer)
@@ -400,9 +414,8 @@ def statistics_on_owner(
         projected = list(rule.project(record, *stand_ins, group=group))
     for side, R in enumerate(rows):
         if R is None:
-            formed = collected[side]
-            projected[side] = _project_formed(rule, record, formed, side, group)
-    return FactorStatistics(collected=tuple(projected))
+            projected[side] = _project_formed(rule, record, raw[side], side, group)
+    return projected[0], projected[1]
 
 
 def _project_formed(

@@ -64,3 +64,27 @@ class Buffers:
     def clear(self) -> None:
         """Release every buffer (the next step allocates them again)."""
         self._held.clear()
+
+
+def lend(
+    buffers: Buffers | None,
+    slot: Hashable,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """Return `buffers.take(slot, ...)`, or a fresh tensor where there are none.
+
+    Args:
+        buffers: The strategy's buffers, or None (a message of one call).
+        slot: What the buffer holds.
+        numel: Its number of entries.
+        dtype: Its dtype.
+        device: Its device.
+
+    Returns:
+        A one-dimensional tensor of `numel` entries (contents undefined).
+    """
+    if buffers is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return buffers.take(slot, numel, dtype, device)

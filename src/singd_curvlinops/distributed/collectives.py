@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from singd_curvlinops.distributed.buffers import Buffers
+from singd_curvlinops.distributed.buffers import Buffers, lend
 
 
 def initialized() -> bool:
@@ -257,18 +257,15 @@ def all_gather_parts(
         valid until `slot` is gathered again).
     """
     length = max(sizes)
-
-    def take(part: Hashable) -> Tensor:
-        if buffers is None:
-            return torch.empty(length, dtype=dtype, device=device)
-        return buffers.take((slot, part), length, dtype, device)
-
-    buffer = take("sent")
+    buffer = lend(buffers, (slot, "sent"), length, dtype, device)
     offset = 0
     for part in parts:
         buffer[offset : offset + part.numel()].copy_(part.reshape(-1))
         offset += part.numel()
     buffer[offset:].zero_()
-    received = [take(sender) for sender in range(len(sizes))]
+    received = [
+        lend(buffers, (slot, sender), length, dtype, device)
+        for sender in range(len(sizes))
+    ]
     dist.all_gather(received, buffer)
     return [chunk[:size] for chunk, size in zip(received, sizes, strict=True)]

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import formed_statistics
-from singd_curvlinops.distributed.buffers import Buffers
+from singd_curvlinops.distributed.buffers import Buffers, lend
 from singd_curvlinops.distributed.collectives import (
     check_same_options,
     fingerprint,
@@ -152,10 +152,7 @@ def all_reduce_statistics(
     slots = [] if options is None else option_slots(fingerprint(options), processes)
     size = sum(H_K.numel() + H_C.numel() + 1 for H_K, H_C, _ in statistics)
     device = statistics[0][0].device
-    if buffers is None:
-        buffer = torch.empty(size + len(slots), dtype=dtype, device=device)
-    else:
-        buffer = buffers.take("statistics", size + len(slots), dtype, device)
+    buffer = lend(buffers, "statistics", size + len(slots), dtype, device)
     buffer[size:] = torch.tensor(slots, dtype=dtype)
     counts, offset = [], 0  # (where the example counts are)
     for H_K, H_C, count in statistics:  # count x H_K, H_C, count

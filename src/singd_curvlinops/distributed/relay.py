@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from singd_curvlinops.distributed.assignment import Assignment
-from singd_curvlinops.distributed.buffers import Buffers
+from singd_curvlinops.distributed.buffers import Buffers, lend
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.layers import Layer
@@ -154,10 +154,7 @@ class Relay:
         Returns:
             The strategy's buffer for `slot` (a fresh tensor without buffers).
         """
-        device = buffer_device(slot[1])
-        if self.buffers is None:
-            return torch.empty(numel, dtype=self.dtype, device=device)
-        return self.buffers.take(slot, numel, self.dtype, device)
+        return lend(self.buffers, slot, numel, self.dtype, buffer_device(slot[1]))
 
     @staticmethod
     def _what(layer: Layer) -> str:

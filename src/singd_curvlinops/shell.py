@@ -46,7 +46,7 @@ from singd_curvlinops.collection_plan import CollectionPlan
 from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
-from singd_curvlinops.distributed import gram_rows
+from singd_curvlinops.distributed import gram_rows, raw_gram
 from singd_curvlinops.grad_scaling import GradScaling, without_autocast
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.guarded import GuardedSteps
@@ -219,7 +219,7 @@ class KroneckerOptimizer(
         project = self._distribution.projection(layer, self._rule, options)
         transposed = None
         # owned factors: the twin's raw rows too, if owners project (SINGD, KFAC)
-        raw_twin = project is not None and gram_rows.projects_raw(self._rule)
+        raw_twin = project is not None and raw_gram.projects_raw(self._rule)
         if raw_twin and layer.twin is not None:
             twin_options = layer.twin.options(group)
             transposed = self._distribution.projection(

@@ -36,6 +36,8 @@ CASES = {
     "ikfac": Case(IKFAC, **OWNED),
     "normalize": Case({**DENSE, "T": 2, "normalize_lr_cov": True}, **OWNED),
     "accumulate": Case({**DENSE, "T": 2}, "accumulate", **OWNED),
+    # a block-diagonal C: its raw statistics stay diagonal blocks (1 x 1 here)
+    "blocks": Case({**DENSE, "structures": ("dense", "block1diagonal")}, **OWNED),
 }
 REPLICATE = Case(DENSE, model="two", distribute="replicate")
 STEPS, RESUME_AT = 6, 3

@@ -229,6 +229,16 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
     for local in (None, 2):
         sent = bytes_per_update(diagonal, world_size=2, rows=local)
         assert sent == (7 + 5 + 6 + 3) * 8 + summary
+    # block-diagonal factors read only the diagonal blocks: their stored entries,
+    # never rows nor d x d (before 2026-12-02: d x d beyond d rows)
+    blocks = SINGD(
+        _model(),
+        structures=("block3diagonal", "block2diagonal"),
+        distribute=Shard(factors="owned"),
+    )
+    for local in (None, 2, 100):
+        sent = bytes_per_update(blocks, world_size=2, rows=local)
+        assert sent == ((2 * 9 + 1) + (2 * 4 + 1) + 2 * 9 + (4 + 1)) * 8 + summary
 
 
 def test_kfacs_statistics_hooks_build_no_preconditioner(

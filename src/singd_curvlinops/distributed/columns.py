@@ -57,15 +57,16 @@ from singd_curvlinops.distributed.collectives import (
 from singd_curvlinops.distributed.column_bounds import StepLimits, step_limits
 from singd_curvlinops.distributed.gram_rows import as_structured
 from singd_curvlinops.distributed.layout import buffer_dtype
+from singd_curvlinops.distributed.raw_gram import in_kept_structure
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorStatistics
 from singd_curvlinops.rules.factors import (
     load_factor,
-    project_diagonal_gram,
+    project_structured_gram,
     store_factor,
 )
 from singd_curvlinops.rules.singd import resolved_alpha1
-from singd_curvlinops.structures import DiagonalMatrix
+from singd_curvlinops.structures import StructuredMatrix
 from singd_curvlinops.update import (
     FactorHyperparameters,
     factor_step,
@@ -126,8 +127,8 @@ def step(stepper: Any, layers: Sequence[tuple[Layer, bool]]) -> None:
 def _dense_K(statistics: FactorStatistics) -> FactorStatistics:
     r"""Return a split layer's statistics as dense \(U_K\) and \(U_C\).
 
-    A diagonal \(C\)'s raw statistics stay their diagonal (`DiagonalMatrix`,
-    `gram_rows.raw_statistics`): that is all its projection reads.
+    A (block-)diagonal \(C\)'s raw statistics stay in its structure
+    (`raw_gram.kept_structures`): that is all its projection reads.
 
     Args:
         statistics: Collected raw statistics, or handed-over dense ones.
@@ -138,7 +139,7 @@ def _dense_K(statistics: FactorStatistics) -> FactorStatistics:
     if statistics.collected is None:
         return statistics
     U_K, U_C = statistics.collected
-    if not isinstance(U_C, DiagonalMatrix):
+    if not in_kept_structure(U_C):
         U_C = as_structured(U_C).to_dense()
     return FactorStatistics(handed_over=(as_structured(U_K).to_dense(), U_C))
 
@@ -273,18 +274,19 @@ def _block_step(
     return increment, K, traces_K, (H_C, CtC)
 
 
-def _projected_C(C: Any, U_C: Tensor | DiagonalMatrix) -> tuple[Any, Any]:
+def _projected_C(C: Any, U_C: Tensor | StructuredMatrix) -> tuple[Any, Any]:
     r"""Return \(H_C = \Pi(C^\top U_C C)\) and \(\Pi(C^\top C)\) (as `SINGDRule`).
 
     Args:
         C: The factor.
-        U_C: The dense statistics, or the diagonal of a diagonal \(C\)'s.
+        U_C: The dense statistics, or \(\Pi(U_C)\) in the structure of a
+            (block-)diagonal \(C\).
 
     Returns:
         Both projections.
     """
-    if isinstance(U_C, DiagonalMatrix):
-        return project_diagonal_gram(C, U_C.diag), C.from_inner()
+    if isinstance(U_C, StructuredMatrix):
+        return project_structured_gram(C, U_C), C.from_inner()
     product = C.rmatmat(C.rmatmat(U_C.to(C.dtype)).T)
     return C.from_dense((product + product.T) / 2), C.from_inner()
 

@@ -47,9 +47,10 @@ from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_row_shards
-from singd_curvlinops.distributed.gram_rows import applies, diagonal_statistics
+from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
+from singd_curvlinops.distributed.raw_gram import kept_structures
 from singd_curvlinops.distributed.shard import Shard
 
 
@@ -73,8 +74,8 @@ def bytes_per_update(
     Returns:
         Size of the all-reduced buffer: every layer's (and every transposed
         twin's: tied weights) stored entries of `H_K` and `H_C` (under
-        `Shard(factors="owned")` dense, or a side's diagonal:
-        `gram_rows.diagonal_statistics`) plus one example count, in
+        `Shard(factors="owned")` dense, or in a side's (block-)diagonal
+        structure: `raw_gram.kept_structures`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
         \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
         each side to its owner (`owner_statistics`; with owned factors unless a
@@ -103,9 +104,9 @@ def bytes_per_update(
     for layer in keys:  # (a transposed twin's statistics travel as its own)
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = group["structures"]
-        if dense:  # raw statistics: dense, or a side's diagonal (`raw_statistics`)
-            diagonal = diagonal_statistics(layer, optimizer.rule, group)
-            structures = tuple("diagonal" if d else "dense" for d in diagonal)
+        if dense:  # raw statistics: rows, or in a side's kept structure
+            kept = kept_structures(layer, optimizer.rule, group)
+            structures = tuple(name or "dense" for name in kept)
         dtype = torch.promote_types(*layer.factor_dtypes(group))
         wide = wide or dtype == torch.float64
         local = rows.get(layer.name) if isinstance(rows, Mapping) else rows

@@ -6,7 +6,7 @@ step as a whole if one is not finite (`singd_curvlinops.guard`). Under `Shard`
 each side's statistics reach only its owner (`owner_statistics`): the
 exchange's probe finds every rank's part finite, but the owner forms their sum
 (\(R^\top R\) of all ranks' rows), and under `Shard(factors="owned")` also
-the projection with its factors (`gram_rows.statistics_on_owner`), which can
+the projection with its factors (`raw_gram.statistics_on_owner`), which can
 overflow although the parts did not (rows of about \(10^{19}\) in float32, or
 a huge factor). So the owners check what they formed before the first update,
 and one all-reduce (a minimum) makes the verdict every rank's:
@@ -33,7 +33,7 @@ import torch
 
 from singd_curvlinops.bounds import finite
 from singd_curvlinops.distributed.collectives import agree, rank
-from singd_curvlinops.distributed.gram_rows import (
+from singd_curvlinops.distributed.raw_gram import (
     as_dense,
     projects_raw,
     statistics_on_owner,

@@ -13,8 +13,8 @@ every rank in one `all_gather` (for `state_dict()` and for a new assignment);
 \(K\), \(m_K\): `drop` cuts them out, `gather` puts them together. Their
 shapes, dtypes and types come from the rule's `init_state` on the meta device.
 Without the factors, the statistics hooks keep the raw rows \(a\), \(\tilde g\)
-(`gram_rows.raw_statistics`; a side's diagonal where that is all its projection
-reads), which the owners project themselves (`engine`).
+(`raw_gram.raw_statistics`; a (block-)diagonal side's diagonal blocks, which
+are all its projection reads), which the owners project themselves (`engine`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ one `all_gather` per step shares the results (`engine`). With
 so every rank keeps every factor (the statistics hooks need them); the momenta
 stay with their owner. `state_dict()` gathers what only owners keep, on every
 rank — a collective: call it on every rank. With `factors="owned"` only the
-owner keeps a layer's factors (and projects the raw rows: `gram_rows`); layers
+owner keeps a layer's factors (and projects the raw rows: `raw_gram`); layers
 are not split by sides, but a SINGD layer whose dense \(K\) dominates the
 factor state is split by column blocks, and one that dominates the work gets a
 helper (`relay`). `Shard(factors="owned")` is not available under FSDP2 (the
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
-from singd_curvlinops.distributed import gram_rows, ownership
+from singd_curvlinops.distributed import ownership, raw_gram
 from singd_curvlinops.distributed.assignment import Assignment, assign_layers
 from singd_curvlinops.distributed.collectives import check_same_step, world_size
 from singd_curvlinops.distributed.engine import GatheredStep
@@ -100,14 +100,15 @@ class Shard(DistributionStrategy):
             group: The layer's options.
 
         Returns:
-            `(a, g) -> (aᵀa, gᵀg)` kept as the rows, or a side's diagonal
-            (`gram_rows.raw_statistics`), for several processes and
+            `(a, g) -> (aᵀa, gᵀg)` kept as the rows, or in a side's
+            (block-)diagonal structure (`raw_gram.raw_statistics`), for several
+            processes and
             `factors="owned"`; else None.
         """
         if self.rows != "raw":
             return None
-        diagonal = gram_rows.diagonal_statistics(layer, rule, group)
-        return gram_rows.raw_statistics(diagonal)
+        kept = raw_gram.kept_structures(layer, rule, group)
+        return raw_gram.raw_statistics(kept)
 
     @property
     def rows(self) -> str | None:  # type: ignore[override]

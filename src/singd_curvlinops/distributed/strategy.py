@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops.collector import PendingStatistics
-from singd_curvlinops.distributed import collectives, gram_rows
+from singd_curvlinops.distributed import collectives, raw_gram
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     check_same_configuration,
@@ -128,8 +128,8 @@ class DistributionStrategy:
             group = layer.options(groups[layer.group_index])
             dtypes, device = layer.factor_dtypes(group), layer.weight.device
             if self.projection(layer, rule, group) is not None:
-                diagonal = gram_rows.diagonal_statistics(layer, rule, group)
-                return gram_rows.raw_zeros(layer.dims, dtypes, device, diagonal)
+                kept = raw_gram.kept_structures(layer, rule, group)
+                return raw_gram.raw_zeros(layer.dims, dtypes, device, kept)
             return rule.zero_statistics(group, layer.dims, dtypes, device)
 
         StatisticsExchange(

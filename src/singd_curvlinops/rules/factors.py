@@ -4,7 +4,9 @@ A factor lives in the state as its structure's tensors under `"<prefix>.<name>"`
 (`store_factor`, `load_factor`: the state stays a dictionary of tensors, as
 `torch.optim` checkpoints expect); `project_rows` and `gram` form the statistics
 \(\Pi(M^\top a^\top a M)\) and \(\Pi(a^\top a)\) from dense or one-hot rows,
-`project_diagonal_gram` from the diagonal Gram matrix of one-hot rows.
+`project_diagonal_gram` from the diagonal Gram matrix of one-hot rows, and
+`project_structured_gram` from a Gram matrix kept in a (block-)diagonal factor's
+structure.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Any
 from torch import Tensor
 
 from singd_curvlinops.statistics import SparseRows
-from singd_curvlinops.structures import DiagonalMatrix, StructuredMatrix, get_structure
+from singd_curvlinops.structures import (
+    BlockDiagonalMatrix,
+    DiagonalMatrix,
+    StructuredMatrix,
+    get_structure,
+)
 
 
 def load_factor(state: dict[str, Any], prefix: str, name: str) -> StructuredMatrix:
@@ -88,6 +95,46 @@ def project_diagonal_gram(
     if M is None:
         return DiagonalMatrix(diagonal)
     return DiagonalMatrix(_diagonal_of(M).square() * diagonal)
+
+
+def project_structured_gram(
+    M: StructuredMatrix | None, U: StructuredMatrix
+) -> StructuredMatrix:
+    r"""Return \(\Pi(M^\top U M)\) from \(U = \Pi(a^\top a)\) in the structure of \(M\).
+
+    For a block-diagonal \(M\) (a diagonal one has blocks of one) the diagonal
+    blocks of the product read only those of the Gram matrix,
+    \((M^\top a^\top a M)_{ii} = M_i^\top (a^\top a)_{ii} M_i\), so the
+    \(\Pi(a^\top a)\) of \(M\)'s structure (\(dB\) numbers) stands for
+    \(a^\top a\) exactly. Without a factor (KFAC's \(\Pi(a^\top a)\)) it is
+    \(U\) itself.
+
+    Args:
+        M: A diagonal factor, a block-diagonal one of \(U\)'s block size, or
+            None.
+        U: \(\Pi(a^\top a)\), diagonal or block-diagonal.
+
+    Returns:
+        The projection, in \(U\)'s structure (blocks made exactly symmetric,
+        in \(M\)'s dtype).
+
+    Raises:
+        ValueError: If \(U\) is neither, or \(M\) has another structure.
+    """
+    if M is None:
+        return U
+    if isinstance(U, DiagonalMatrix):
+        return project_diagonal_gram(M, U.diag)
+    if isinstance(U, BlockDiagonalMatrix) and type(M) is type(U):
+        products = [
+            factor.mT @ gram.to(factor.dtype) @ factor
+            for factor, gram in ((M.blocks, U.blocks), (M.last, U.last))
+        ]
+        return type(U)(*((P + P.mT) / 2 for P in products))
+    raise ValueError(
+        f"A Gram matrix kept as {type(U).__name__} needs a factor of its own "
+        f"structure, got {type(M).__name__}."
+    )
 
 
 def gram(

@@ -105,8 +105,8 @@ def bytes_per_update(
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = group["structures"]
         if dense:  # raw statistics: rows, or in a side's kept structure
-            kept = kept_structures(layer, optimizer.rule, group)
-            structures = tuple(name or "dense" for name in kept)
+            held = kept_structures(layer, optimizer.rule, group)
+            structures = tuple(name or "dense" for name in held)
         dtype = torch.promote_types(*layer.factor_dtypes(group))
         wide = wide or dtype == torch.float64
         local = rows.get(layer.name) if isinstance(rows, Mapping) else rows

@@ -1,22 +1,25 @@
-"""torchvision's Swin V1 attention: unchanged outputs, curvlinops' factors, trained.
+"""torchvision's Swin attention, V1 and V2: unchanged outputs, curvlinops' factors.
 
 The reference for the factors is curvlinops' `KFACLinearOperator` on a copy of the
 model in which `shifted_window_attention` calls the `qkv` and `proj` children as
 modules (on the windows' rows grouped by image) instead of applying their weights
-with `F.linear`: curvlinops' own hooks then see the two layers.
+with `F.linear`: curvlinops' own hooks then see the two layers. For V2 the copy
+calls a weight-only module sharing `qkv.weight` on the rows that are not padding,
+as the adapter defines the layer (module docs of `window_attention`).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torchvision.models.swin_transformer as swin
 from torch import Tensor, nn
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import EKFAC, KFAC, SINGD
 from singd_curvlinops.layers import ShiftedWindowAttentionAdapter, adapter_for
 from tests.layers._helpers import kfac_factors
 from tests.test_statistics import curvlinops_factors
@@ -47,6 +50,21 @@ def _data(seed: int = 1, batch: int = B) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     X = torch.randn(batch, 3, 10, 10, dtype=torch.float64, generator=generator)
     return X, torch.randint(0, 3, (batch,), generator=generator)
+
+
+def _train(
+    model: nn.Module, optimizer: Any, dtype: torch.dtype = torch.float64
+) -> list[float]:
+    """Take five steps on `_data()`; return the losses."""
+    X, y = _data()
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(X.to(dtype)), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _attentions(model: nn.Module) -> list[nn.Module]:
@@ -80,31 +98,23 @@ def test_a_subclass_with_its_own_forward_is_not_matched() -> None:
     assert adapter_for(attention.qkv) is not None  # its children stay linear layers
 
 
-def _v2_projections(model: nn.Module) -> set[nn.Parameter]:
-    return {
-        p
-        for attention in _attentions(model)
-        for child in (attention.qkv, attention.proj)
-        for p in child.parameters()
-    }
-
-
-def test_swin_v2_projections_go_to_the_fallback_rule() -> None:
-    """V2 has no adapter (module docs of `window_attention`): it applies `qkv` and
-    `proj` with `F.linear`, so they go to the fallback rule, as the children of
-    an unmatched `nn.MultiheadAttention` do, instead of warning at every step."""
+def test_swin_v2_projections_are_layers_with_the_key_bias_on_the_fallback() -> None:
+    """V2's `qkv` is a weight-only slot and `proj` a slot with its bias; `qkv.bias`
+    (whose key third V2 zeroes) goes to the fallback rule. Until 2026-12-02 both
+    projections went to the fallback rule."""
     torch.manual_seed(0)
     model = tiny_swin(2)
-    for attention in _attentions(model):
-        assert adapter_for(attention) is None
     optimizer = SINGD(model, T=1)
-    projections = _v2_projections(model)
-    assert len(projections) == 16  # 4 attentions, weight and bias of 2 children
-    assert projections <= set(optimizer.fallback_params)
-    layered = {p for layer in optimizer.layers for p in layer.params}
-    assert not projections & layered
-    assert any("cpb_mlp" in layer.name for layer in optimizer.layers)
-    before = {p: p.detach().clone() for p in projections}
+    dims = {layer.name: layer.dims for layer in optimizer.layers}
+    fallback = {id(p) for p in optimizer.fallback_params}
+    for name in ("features.1.0.attn", "features.3.1.attn"):
+        dim = 8 if name.startswith("features.1") else 16
+        assert dims[f"{name}.qkv"] == (dim, 3 * dim)  # no bias column
+        assert dims[f"{name}.proj"] == (dim + 1, dim)
+    for attention in _attentions(model):
+        assert isinstance(adapter_for(attention), ShiftedWindowAttentionAdapter)
+        assert id(attention.qkv.bias) in fallback
+        assert not {id(attention.qkv.weight), id(attention.proj.weight)} & fallback
     X, y = _data()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "received no statistics", nothing
@@ -112,8 +122,30 @@ def test_swin_v2_projections_go_to_the_fallback_rule() -> None:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(X), y).backward()
             optimizer.step()
-    weights = [attention.qkv.weight for attention in _attentions(model)]
-    assert all(not torch.equal(w, before[w]) for w in weights)
+
+
+@pytest.mark.parametrize("optimizer_class", [KFAC, EKFAC, SINGD])
+def test_swin_v2_trains_its_key_weights_in_float32(optimizer_class) -> None:
+    """The padded rows' keys are zero vectors whose normalisation has a gradient of
+    about 1/eps: kept as rows of G they made the key rows' curvature 1e20 and
+    more (KFAC stopped training the key weights, float32 SINGD overflowed)."""
+    torch.manual_seed(0)
+    model = tiny_swin(2).float()
+    optimizer = optimizer_class(
+        model, T=1, lr=0.01 if optimizer_class is EKFAC else 0.05
+    )
+    first = _attentions(model)[0]  # (10x10 images: 5x5 patches padded to 6x6)
+    before = first.qkv.weight.detach().clone()
+    losses = _train(model, optimizer, torch.float32)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < losses[0]
+    moved = (first.qkv.weight.detach() - before).abs().unflatten(0, (3, -1))
+    query, key, value = (part.max().item() for part in moved)
+    assert key > 0.1 * min(query, value)
+    if optimizer_class is KFAC:  # the output side of the keys' rows: no 1/eps
+        layer = next(x for x in optimizer.layers if x.name == "features.1.0.attn.qkv")
+        _, G = kfac_factors(optimizer, layer)
+        assert G.abs().max() < 1e6
 
 
 class _V2CallingChildren(swin.ShiftedWindowAttentionV2):
@@ -133,10 +165,11 @@ def test_a_v2_subclass_with_its_own_forward_keeps_its_children() -> None:
     )
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_outputs_and_gradients_equal_the_unmodified_model(dropout) -> None:
+def test_outputs_and_gradients_equal_the_unmodified_model(dropout, version) -> None:
     torch.manual_seed(0)
-    model = tiny_swin(dropout=dropout)
+    model = tiny_swin(version, dropout=dropout)
     reference = copy.deepcopy(model)
     optimizer = SINGD(model, T=1)  # collects in every pass
     X, y = _data()
@@ -221,6 +254,74 @@ def test_factors_equal_curvlinops_on_module_calls(approx, monkeypatch) -> None:
     assert compared == 8  # qkv and proj of four attention modules
 
 
+class _WeightOnlyCalls(_ModuleCalls):
+    """V2's `qkv` as the adapter defines it: a weight-only module (`qkv_weight`,
+    sharing the weight) on the rows that are not zero in every image; the bias V2
+    passes is added outside it, the padded rows are applied functionally."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        for attention in _attentions(model):
+            weight_only = nn.Linear(1, 1, bias=False)
+            weight_only.weight = attention.qkv.weight
+            attention.add_module("qkv_weight", weight_only)
+            self.children[attention.qkv.weight] = weight_only
+        self.padded = 0  # calls with padded rows
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        child = self.children.get(weight)
+        if child is None or child.bias is not None:  # (proj: as for V1)
+            return super().linear(x, weight, bias)
+        grouped = x.reshape(B, -1, x.shape[-1])
+        kept = grouped.ne(0).any(dim=2).any(dim=0)
+        self.padded += int(not kept.all())
+        y = grouped.new_empty(*grouped.shape[:-1], weight.shape[0])
+        y[:, kept] = child(grouped[:, kept]) + bias
+        y[:, ~kept] = nn.functional.linear(grouped[:, ~kept], weight, bias)
+        return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_v2_factors_equal_curvlinops_on_module_calls(approx, monkeypatch) -> None:
+    """`cpb_mlp` is left out: a layer on a tensor without a batch counts its own
+    example (layers guide), curvlinops the loader's batch."""
+    torch.manual_seed(0)
+    model = tiny_swin(2)
+    reference = copy.deepcopy(model)
+    X, y = _data()
+    optimizer = KFAC(model, T=1, lr=0.0, kfac_approx=approx, fallback="sgd")
+    nn.functional.cross_entropy(model(X), y).backward()
+    optimizer.step()
+    calls = _WeightOnlyCalls(reference)
+    with monkeypatch.context() as patch:
+        patch.setattr(swin, "F", calls)
+        qkv = {id(attention.qkv) for attention in _attentions(reference)}
+        inputs, gradients = curvlinops_factors(
+            reference,
+            X,
+            y,
+            nn.CrossEntropyLoss(),
+            approx,
+            params=[
+                p
+                for m in reference.modules()
+                if isinstance(m, (nn.Linear, nn.Conv2d)) and id(m) not in qkv
+                for p in m.parameters()
+            ],
+        )
+    compared = 0
+    for layer in optimizer.layers:
+        if "cpb_mlp" in layer.name:
+            continue
+        name = f"{layer.name}_weight" if layer.name.endswith(".qkv") else layer.name
+        A, G = kfac_factors(optimizer, layer)
+        torch.testing.assert_close(A, inputs[name], rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(G, gradients[name], rtol=1e-10, atol=1e-13)
+        compared += ".attn." in layer.name
+    assert compared == 8  # qkv and proj of four attention modules
+    assert calls.padded == 2  # the first stage's blocks pad 5x5 patches to 6x6
+
+
 def test_micro_batches_equal_one_pass() -> None:
     """Two half batches (loss halved) before a step equal the whole batch."""
     X, y = _data(batch=6)
@@ -245,15 +346,8 @@ def test_singd_trains_the_projections_without_warnings(recwarn) -> None:
     torch.manual_seed(0)
     model = tiny_swin()
     optimizer = SINGD(model, T=1, lr=0.05)
-    X, y = _data()
     before = {n: p.clone() for n, p in model.named_parameters()}
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _train(model, optimizer)
     assert not [w for w in recwarn if "received no statistics" in str(w.message)]
     assert losses[-1] < losses[0]
     for attention in _attentions(model):

@@ -62,7 +62,7 @@ def vit_tiny() -> Problem:
 def swin() -> Problem:
     """torchvision's Swin in `swin_t`'s layout at a quarter of its width, with
     windows of 4 (shifted ones on the first stage's 8 x 8 patches). (Swin V2's
-    attention is not supported yet: see `layers.window_attention`.)"""
+    attention is tested in `tests/layers/test_window_attention.py`.)"""
     from torchvision.models.swin_transformer import SwinTransformer
 
     model = SwinTransformer(

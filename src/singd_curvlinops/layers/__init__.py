@@ -2,8 +2,8 @@
 
 Built in: `torch.nn.Linear`, `torch.nn.Conv2d` (zero padding), `torch.nn.Embedding`,
 `torch.nn.MultiheadAttention`, Hugging Face's `Conv1D`,
-`torch_geometric.nn.GCNConv` and torchvision's Swin V1 window attention (the last
-three when their packages are in use; never imported here). Add a type by
+`torch_geometric.nn.GCNConv` and torchvision's Swin window attention, V1 and V2
+(the last three when their packages are in use; never imported here). Add a type by
 subclassing `LayerAdapter` and calling `register_layer`.
 """
 

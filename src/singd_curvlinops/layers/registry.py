@@ -3,8 +3,8 @@
 `adapter_for(module)` asks the registered adapters in order, users' first (so a
 user's adapter may take over a subclass of a built-in type), then `Linear`,
 `Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D`, PyG's
-`GCNConv` and torchvision's Swin V1 window attention. `register_layer` adds an
-adapter; see the docs page "Adding a layer type".
+`GCNConv` and torchvision's Swin window attention (V1 and V2). `register_layer`
+adds an adapter; see the docs page "Adding a layer type".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""torchvision's Swin attention (V1): `qkv` and `proj` as linear layers on window rows.
+r"""torchvision's Swin attention (V1, V2): `qkv`, `proj` as linear layers on windows.
 
 `torchvision.models.swin_transformer.ShiftedWindowAttention` (Swin V1) holds two
 `torch.nn.Linear` children, `qkv` and `proj`, but applies their weights inside the
@@ -28,18 +28,31 @@ state of the original call is replayed (`replay`). Outputs and gradients equal
 the unmodified module's (tested to 1e-12 in float64). The cost: the attention's
 forward runs twice on collecting passes (every `T` steps).
 
-**Not Swin V2.** `ShiftedWindowAttentionV2` has no adapter: its `qkv` and
-`proj` go to the fallback rule (`applied_functionally`; until 2026-12-02 they
-were layers that received no statistics and warned). V2 zeroes the key third
-of the `qkv` bias inside the function and normalises the keys, so at padded
-positions the key is the zero vector and its output gradient is about `1/eps`
-(1e12). Those positions add nothing to any parameter's gradient (their input
-is zero, that bias is unused), but as rows of `G` they made the key rows'
-curvature about 1e20 to 1e24 in an audit of an adapter that took V2 too (KFAC
-and EKFAC stopped training the key weights, float32 SINGD overflowed), and the
-unused key bias entered EKFAC's per-example gradients. Preconditioning V2's
-projections needs a weight-only `qkv` without those rows; it is left for an
-issue (2026-12-02).
+**Swin V2.** `ShiftedWindowAttentionV2` applies the same two weights, with two
+differences that change what its `qkv` is as a layer:
+
+- It zeroes the key third of the `qkv` bias inside the function (a copy: the
+  parameter's key entries receive no gradient). So `qkv` is a **weight-only**
+  slot, \(y = W x\) with \(K\) of dimension \(C\), and `qkv.bias` goes to the
+  fallback rule: a bias column in \(K\) would mix gradients of the used query
+  and value biases into the unused key bias (and into EKFAC's per-example
+  gradients, which would credit it with the key rows' output gradients).
+- It normalises the keys (cosine attention). At padded positions the input row
+  is zero, so the key is the zero vector and `F.normalize`'s gradient there is
+  about `1/eps` (1e12). Such a row adds nothing to the weight's gradient (its
+  input is zero), but as a row of \(G\) it made the key rows' curvature 1e20
+  to 1e24 in an audit of an adapter that kept it (KFAC and EKFAC stopped
+  training the key weights, float32 SINGD overflowed). So `qkv`'s rows whose
+  input is zero at every image (the padding, which sits at the same positions
+  in every image) are **left out** of its statistics: the adapter applies the
+  weight to them apart, outside the recorded use. For a weight-only map this is
+  exact for the gradient, \(\nabla_W = \sum_r g_r a_r^\top\) has no term from
+  them, and the Kronecker factors then describe the rows that carry it.
+
+`proj` is as in V1. The continuous position bias (`cpb_mlp`) is a model of its
+own (linear layers on the coordinate table, see the layers guide on layers that
+see no batch); the recomputation runs it again, and only the recomputed call
+gets gradients.
 """
 
 from __future__ import annotations
@@ -61,63 +74,53 @@ _SWIN = "torchvision.models.swin_transformer"
 _SLOTS = ("qkv", "proj")
 
 
-def _attention_class() -> type[Module] | None:
-    """Return torchvision's `ShiftedWindowAttention` (Swin V1).
-
-    Returns:
-        The class, or None while torchvision's Swin module has not been imported
-        (no model can hold one then).
-    """
-    swin = sys.modules.get(_SWIN)
-    return None if swin is None else swin.ShiftedWindowAttention
-
-
-def applied_functionally(module: Module) -> tuple[Module, ...]:
-    """Return the children that torchvision's Swin V2 attention applies itself.
-
-    `ShiftedWindowAttentionV2` (module docs: no adapter) applies its `qkv` and
-    `proj` with `F.linear`, so no module hook sees them: `layers.find_sites`
-    gives their parameters to the fallback rule, as it does for an unmatched
-    `nn.MultiheadAttention`'s children, instead of stepping them with
-    factors that never receive statistics.
+def _attention_class(module: Module) -> type[Module] | None:
+    """Return torchvision's Swin attention class of `module` (V2 before V1).
 
     Args:
         module: A submodule of the model.
 
     Returns:
-        `(qkv, proj)` for V2 and subclasses that keep its `forward`; else `()`.
+        `ShiftedWindowAttentionV2` or `ShiftedWindowAttention` if `module` is an
+        instance, else None (also while torchvision's Swin module has not been
+        imported: no model can hold one then).
     """
     swin = sys.modules.get(_SWIN)
-    if swin is None or not isinstance(module, swin.ShiftedWindowAttentionV2):
-        return ()
-    if not plain_forward(module, swin.ShiftedWindowAttentionV2):
-        return ()  # (a forward of its own may call them as modules)
-    children = (getattr(module, name, None) for name in _SLOTS)
-    return tuple(child for child in children if isinstance(child, Module))
+    if swin is None:
+        return None
+    for base in (swin.ShiftedWindowAttentionV2, swin.ShiftedWindowAttention):
+        if isinstance(module, base):
+            return base
+    return None
+
+
+def _is_v2(module: Module) -> bool:
+    """Return whether `module` is torchvision's Swin V2 attention (module docs)."""
+    swin = sys.modules.get(_SWIN)
+    return swin is not None and isinstance(module, swin.ShiftedWindowAttentionV2)
 
 
 class ShiftedWindowAttentionAdapter(LayerAdapter):
-    """torchvision's Swin V1 window attention: `qkv` and `proj` (module docs)."""
+    """torchvision's Swin window attention, V1 and V2: `qkv`, `proj` (module docs)."""
 
-    description = "torchvision's ShiftedWindowAttention (Swin V1)"
+    description = "torchvision's ShiftedWindowAttention (Swin V1 and V2)"
     needs_before_forward = True
     unbatched_dims = None
 
     def matches(self, module: Module) -> bool:
-        """Return whether `module` is torchvision's Swin V1 window attention.
+        """Return whether `module` is torchvision's Swin window attention.
 
         Args:
             module: A submodule of the model.
 
         Returns:
-            True for `ShiftedWindowAttention` and subclasses that keep its
-            `forward` (not `ShiftedWindowAttentionV2`: module docs), with
-            `Linear` children `qkv` and `proj`.
+            True for `ShiftedWindowAttention`, `ShiftedWindowAttentionV2` and
+            subclasses that keep its `forward`, with `Linear` children `qkv` and
+            `proj`.
         """
-        base = _attention_class()
+        base = _attention_class(module)
         return (
             base is not None
-            and isinstance(module, base)
             and plain_forward(module, base)
             and all(isinstance(getattr(module, name, None), Linear) for name in _SLOTS)
         )
@@ -134,7 +137,7 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         return module.qkv.weight
 
     def bias(self, module: Module) -> Parameter | None:
-        """Return `qkv.bias`.
+        """Return the first slot's bias (V1's `qkv.bias`; V2: none).
 
         Args:
             module: The attention module.
@@ -142,7 +145,7 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         Returns:
             The first slot's bias, if any.
         """
-        return module.qkv.bias
+        return self.slots(module)[0].bias
 
     def slots(self, module: Module) -> tuple[Slot, ...]:
         """Return the slots `qkv` and `proj`.
@@ -151,12 +154,12 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
             module: The attention module.
 
         Returns:
-            Two slots with the children's weights and biases.
+            Two slots with the children's weights and biases (V2's `qkv`
+            without its bias, which goes to the fallback rule: module docs).
         """
-        return tuple(
-            Slot(name, getattr(module, name).weight, getattr(module, name).bias)
-            for name in _SLOTS
-        )
+        qkv, proj = module.qkv, module.proj
+        qkv_bias = None if _is_v2(module) else qkv.bias
+        return (Slot("qkv", qkv.weight, qkv_bias), Slot("proj", proj.weight, proj.bias))
 
     def submodules(self, module: Module) -> tuple[Module, ...]:
         """Return `qkv` and `proj`, which the module applies functionally.
@@ -220,7 +223,9 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         if not isinstance(output, Tensor) or not output.requires_grad:
             return [], None
         x = _input(args, kwargs)
-        recorder = _SlotRecorder(module, images=x.shape[0])
+        recorder = _SlotRecorder(
+            module, images=x.shape[0], drop_zero_rows=_is_v2(module)
+        )
         with recorder:
             recomputed = replayed(
                 before, x.device, lambda: module.forward(*args, **kwargs)
@@ -238,8 +243,8 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         Returns:
             The linear layer's rows.
         """
-        bias = getattr(module, use.slot).bias
-        return statistics.input_rows(use.x, kfac_approx, bias=bias is not None)
+        slot = next(slot for slot in self.slots(module) if slot.name == use.slot)
+        return statistics.input_rows(use.x, kfac_approx, bias=slot.bias is not None)
 
 
 def _input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
@@ -261,12 +266,15 @@ class _SlotRecorder(TorchFunctionMode):
     Args:
         module: The attention module.
         images: The batch size `B` of its input.
+        drop_zero_rows: Whether `qkv`'s rows that are zero in every image (V2's
+            padding) are applied apart and left out of its use (module docs).
     """
 
-    def __init__(self, module: Module, images: int) -> None:
+    def __init__(self, module: Module, images: int, drop_zero_rows: bool) -> None:
         super().__init__()
         self.slots = {name: getattr(module, name).weight for name in _SLOTS}
         self.images = images
+        self.drop_zero_rows = drop_zero_rows
         self.uses: list[Use] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
@@ -296,6 +304,19 @@ class _SlotRecorder(TorchFunctionMode):
             The product in the module's layout.
         """
         grouped = x.reshape(self.images, -1, x.shape[-1])  # [B, n_W N, C]
-        y = F.linear(grouped, weight, bias)  # (the mode is off inside its handler)
-        self.uses.append(Use(name, grouped.detach(), y))
+        kept = None
+        if self.drop_zero_rows and name == "qkv":
+            kept = grouped.detach().ne(0).any(dim=2).any(dim=0)  # [n_W N]
+            if bool(kept.all()):
+                kept = None
+        if kept is None:
+            y = F.linear(grouped, weight, bias)  # (the mode is off in its handler)
+            self.uses.append(Use(name, grouped.detach(), y))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        rows = grouped[:, kept]
+        y_rows = F.linear(rows, weight, bias)
+        self.uses.append(Use(name, rows.detach(), y_rows))
+        y = y_rows.new_empty(*grouped.shape[:-1], y_rows.shape[-1])
+        y[:, kept] = y_rows
+        y[:, ~kept] = F.linear(grouped[:, ~kept], weight, bias)  # (not recorded)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -40,6 +40,7 @@ from singd_curvlinops.layers.base import LayerAdapter, Slot
 from singd_curvlinops.layers.layer import BiasColumn, Layer, Site, diagonal_sides
 from singd_curvlinops.layers.linear import LinearAdapter
 from singd_curvlinops.layers.registry import adapter_for
+from singd_curvlinops.layers.window_attention import applied_functionally
 from singd_curvlinops.structure_policy import resolve_structures
 
 
@@ -75,7 +76,8 @@ def find_sites(model: Module) -> list[SiteCandidate]:
     Children that an adapter handles with their parent (`submodules`) are skipped,
     and so are two kinds of modules whose parameters go to the fallback rule:
     children that their parent applies with `F.linear`, which no module hook
-    sees (of an unmatched `nn.MultiheadAttention`), and parametrized modules
+    sees (of an unmatched `nn.MultiheadAttention`; timm's Swin V2 `qkv`,
+    `window_attention.applied_functionally`), and parametrized modules
     (`torch.nn.utils.parametrize`: `weight_norm`, `spectral_norm`, ...), whose
     weight is computed from other parameters.
 
@@ -92,6 +94,7 @@ def find_sites(model: Module) -> list[SiteCandidate]:
             continue
         if isinstance(module, MultiheadAttention):  # applies out_proj functionally
             claimed.update(id(child) for child in module.children())
+        claimed.update(id(child) for child in applied_functionally(module))
         adapter = adapter_for(module)
         if adapter is None or is_parametrized(module):  # (weight_norm, ...)
             continue  # its parameters compute the weight: the fallback's

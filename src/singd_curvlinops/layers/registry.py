@@ -3,8 +3,9 @@
 `adapter_for(module)` asks the registered adapters in order, users' first (so a
 user's adapter may take over a subclass of a built-in type), then `Linear`,
 `Conv2d`, `Embedding`, `MultiheadAttention`, Hugging Face's `Conv1D`, PyG's
-`GCNConv` and torchvision's Swin window attention (V1 and V2). `register_layer`
-adds an adapter; see the docs page "Adding a layer type".
+`GCNConv`, torchvision's Swin window attention (V1 and V2) and timm's BEiT and
+EVA attention. `register_layer` adds an adapter; see the docs page "Adding a
+layer type".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from singd_curvlinops.layers.base import LayerAdapter
 from singd_curvlinops.layers.conv1d import Conv1DAdapter
 from singd_curvlinops.layers.conv2d import Conv2dAdapter
 from singd_curvlinops.layers.embedding import EmbeddingAdapter
+from singd_curvlinops.layers.functional_qkv import FunctionalQKVAdapter
 from singd_curvlinops.layers.gcn import GCNConvAdapter
 from singd_curvlinops.layers.linear import LinearAdapter
 from singd_curvlinops.layers.window_attention import ShiftedWindowAttentionAdapter
@@ -28,6 +30,7 @@ _BUILTIN: tuple[LayerAdapter, ...] = (
     Conv1DAdapter(),
     GCNConvAdapter(),
     ShiftedWindowAttentionAdapter(),
+    FunctionalQKVAdapter(),
 )
 _USER: list[LayerAdapter] = []
 

@@ -1,9 +1,10 @@
 """Replaying a forward call's random numbers when an adapter recomputes its output.
 
 An adapter that recomputes a module's output with its linear maps exposed
-(`MultiheadAttentionAdapter`, `ShiftedWindowAttentionAdapter`) must draw the same
-dropout masks as the original call and leave the generator where the original
-call left it, so that a collecting pass draws the same numbers as any other.
+(`MultiheadAttentionAdapter`, `ShiftedWindowAttentionAdapter`,
+`FunctionalQKVAdapter`) must draw the same dropout masks as the original call
+and leave the generator where the original call left it, so that a collecting
+pass draws the same numbers as any other.
 """
 
 from __future__ import annotations

@@ -19,14 +19,15 @@ positions are rows too, as the module computes them). The output is unchanged:
 the products are the same rows.
 
 **Mechanism.** On passes that collect statistics, `forward_uses` runs the
-module's `forward` again under a `torch.overrides.TorchFunctionMode` that
-intercepts exactly the two `F.linear` calls whose weight is `qkv.weight` or
-`proj.weight`: it applies them to the regrouped rows, records their input and
-output, and hands the product on in the module's layout. The recomputed output
-replaces the original one (whose graph is dropped); with dropout, the random
-state of the original call is replayed (`replay`). Outputs and gradients equal
-the unmodified module's (tested to 1e-12 in float64). The cost: the attention's
-forward runs twice on collecting passes (every `T` steps).
+module's `forward` again under a `torch.overrides.TorchFunctionMode`
+(`linear_calls`) that intercepts exactly the two `F.linear` calls whose weight
+is `qkv.weight` or `proj.weight`: it applies them to the regrouped rows,
+records their input and output, and hands the product on in the module's
+layout. The recomputed output replaces the original one (whose graph is
+dropped); with dropout, the random state of the original call is replayed
+(`replay`). Outputs and gradients equal the unmodified module's (tested to 1e-12
+in float64). The cost: the attention's forward runs twice on collecting passes
+(every `T` steps).
 
 **Swin V2.** `ShiftedWindowAttentionV2` applies the same two weights, with two
 differences that change what its `qkv` is as a layer:
@@ -69,17 +70,15 @@ preconditioned linear layers.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from torch import Tensor
 from torch.nn import Linear, Module, Parameter
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from singd_curvlinops import statistics
-from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
+from singd_curvlinops.layers.base import Slot, Use
+from singd_curvlinops.layers.linear_calls import Apply, RecomputingAdapter
 from singd_curvlinops.layers.matching import plain_forward
-from singd_curvlinops.layers.replay import random_state, replayed
 
 _SWIN = "torchvision.models.swin_transformer"
 _TIMM_SWIN_V2 = "timm.models.swin_transformer_v2"
@@ -133,11 +132,10 @@ def _is_v2(module: Module) -> bool:
     return swin is not None and isinstance(module, swin.ShiftedWindowAttentionV2)
 
 
-class ShiftedWindowAttentionAdapter(LayerAdapter):
+class ShiftedWindowAttentionAdapter(RecomputingAdapter):
     """torchvision's Swin window attention, V1 and V2: `qkv`, `proj` (module docs)."""
 
     description = "torchvision's ShiftedWindowAttention (Swin V1 and V2)"
-    needs_before_forward = True
     unbatched_dims = None
 
     def matches(self, module: Module) -> bool:
@@ -205,65 +203,32 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         """
         return tuple(getattr(module, name) for name in _SLOTS)
 
-    def slot_dims(self, module: Module, slot: Slot) -> tuple[int, int]:
-        """Return `(d_in, d_out)` of a slot.
+    def draws_random(self, module: Module) -> bool:
+        """Return whether the call draws dropout masks.
 
         Args:
             module: The attention module.
-            slot: One of its slots.
 
         Returns:
-            The weight's `(columns, rows)`.
+            Whether it trains with attention or output dropout.
         """
-        d_out, d_in = slot.weight.shape
-        return d_in, d_out
+        return module.training and bool(module.attention_dropout or module.dropout)
 
-    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> Any:
-        """Return the random state before a call whose dropout must be replayed.
+    def exposed(
+        self, module: Module, x: Tensor
+    ) -> tuple[dict[str, Tensor], Apply, list[Use]]:
+        """Return `qkv` and `proj`, applied to rows grouped by image (module docs).
 
         Args:
             module: The attention module.
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
+            x: Its input `[B, H, W, C]`.
 
         Returns:
-            The random state (`replay.random_state`), or None without dropout.
+            The slots' weights, `_WindowRows.apply`, and its uses.
         """
-        if not (module.training and (module.attention_dropout or module.dropout)):
-            return None
-        return random_state(_input(args, kwargs).device)
-
-    def forward_uses(
-        self,
-        module: Module,
-        args: tuple,
-        kwargs: dict[str, Any],
-        output: Any,
-        before: Any,
-    ) -> tuple[list[Use], Any]:
-        """Recompute the output with `qkv` and `proj` exposed (module docs).
-
-        Args:
-            module: The attention module, after its forward call.
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
-            output: The module's output.
-            before: The random state from `before_forward`.
-
-        Returns:
-            The two slots' uses and the recomputed output.
-        """
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            return [], None
-        x = _input(args, kwargs)
-        recorder = _SlotRecorder(
-            module, images=x.shape[0], drop_zero_rows=_is_v2(module)
-        )
-        with recorder:
-            recomputed = replayed(
-                before, x.device, lambda: module.forward(*args, **kwargs)
-            )
-        return recorder.uses, recomputed
+        rows = _WindowRows(x.shape[0], _is_v2(module))
+        weights = {name: getattr(module, name).weight for name in _SLOTS}
+        return weights, rows.apply, rows.uses
 
     def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Tensor:
         """Return the rows of a slot's input, with its bias column.
@@ -280,49 +245,21 @@ class ShiftedWindowAttentionAdapter(LayerAdapter):
         return statistics.input_rows(use.x, kfac_approx, bias=slot.bias is not None)
 
 
-def _input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
-    """Return the attention's input `[B, H, W, C]` from its call's arguments.
+class _WindowRows:
+    """Apply the slots to rows grouped by image; record their uses (`LinearCalls`).
 
     Args:
-        args: Positional arguments of the call.
-        kwargs: Keyword arguments of the call.
-
-    Returns:
-        The input tensor.
-    """
-    return args[0] if args else kwargs["x"]
-
-
-class _SlotRecorder(TorchFunctionMode):
-    """Apply the slots' `F.linear` calls to rows grouped by image; record them.
-
-    Args:
-        module: The attention module.
-        images: The batch size `B` of its input.
+        images: The batch size `B` of the attention's input.
         drop_zero_rows: Whether `qkv`'s rows that are zero in every image (V2's
             padding) are applied apart and left out of its use (module docs).
     """
 
-    def __init__(self, module: Module, images: int, drop_zero_rows: bool) -> None:
-        super().__init__()
-        self.slots = {name: getattr(module, name).weight for name in _SLOTS}
+    def __init__(self, images: int, drop_zero_rows: bool) -> None:
         self.images = images
         self.drop_zero_rows = drop_zero_rows
         self.uses: list[Use] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
-        """Intercept `F.linear` with a slot's weight; run everything else as is."""
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            for name, slot_weight in self.slots.items():
-                if weight is slot_weight:
-                    bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                    return self._apply(name, x, weight, bias)
-        return func(*args, **kwargs)
-
-    def _apply(
+    def apply(
         self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None
     ) -> Tensor:
         """Apply a slot to the rows of `x` grouped by image; record the use.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -33,6 +33,33 @@ def expand_factors(
     A = sum(torch.einsum("nsi,nsj->ij", x, x) for x in inputs) / (num_examples * rows)
     G = num_examples * sum(torch.einsum("nsi,nsj->ij", g, g) for g in grads)
     return A, G
+
+
+def collected_as_unmodified(
+    optimizer: Any, model: nn.Module, reference: nn.Module, X: Tensor, y: Tensor
+) -> set[str]:
+    """Check that a collecting pass changes neither outputs, gradients nor draws.
+
+    `optimizer` collects `model`'s statistics in this pass (its adapters may
+    recompute modules, replaying dropout); `reference` is an unmodified copy.
+    Both run with the same seed; their losses and gradients must agree to 1e-12
+    and the random generator must end where it ends without the optimizer.
+
+    Returns:
+        The names of `model`'s layers whose statistics are pending afterwards.
+    """
+    results, states = [], []
+    for net in (model, reference):
+        torch.manual_seed(2)  # the same dropout masks
+        loss = nn.functional.cross_entropy(net(X), y)
+        results.append((loss, torch.autograd.grad(loss, list(net.parameters()))))
+        states.append(torch.get_rng_state())
+    (loss, grads), (loss_ref, grads_ref) = results
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+    assert states[0].equal(states[1]), "the replay must draw no extra numbers"
+    return {layer.name for layer in optimizer._collector._pending}
 
 
 class LargestTensor(TorchDispatchMode):

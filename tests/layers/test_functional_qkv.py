@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.layers import FunctionalQKVAdapter, adapter_for
-from tests.layers._helpers import kfac_factors
+from tests.layers._helpers import collected_as_unmodified, kfac_factors
 from tests.test_statistics import curvlinops_factors
 
 MODELS = {  # two blocks of width 16 on 4x4 patches
@@ -89,18 +89,7 @@ def test_outputs_and_gradients_equal_the_unmodified_model(name, dropout) -> None
     reference = copy.deepcopy(model)
     optimizer = SINGD(model, T=1)  # collects in every pass
     X, y = _data(name)
-    results, states = [], []
-    for net in (model, reference):
-        torch.manual_seed(2)  # the same dropout masks
-        loss = nn.functional.cross_entropy(net(X), y)
-        results.append((loss, torch.autograd.grad(loss, list(net.parameters()))))
-        states.append(torch.get_rng_state())
-    (loss, grads), (loss_ref, grads_ref) = results
-    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-12)
-    for g, g_ref in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
-    assert states[0].equal(states[1]), "the replay must draw no extra numbers"
-    pending = {layer.name for layer in optimizer._collector._pending}
+    pending = collected_as_unmodified(optimizer, model, reference, X, y)
     assert {"blocks.0.attn.qkv", "blocks.1.attn.qkv"} <= pending
 
 

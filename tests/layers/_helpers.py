@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.test_statistics import curvlinops_factors
+
 
 def kfac_factors(optimizer: Any, layer: Any) -> tuple[Tensor, Tensor]:
     """Return a KFAC optimizer's dense `(A, G)` of a layer after one update (T=1).
@@ -18,6 +20,47 @@ def kfac_factors(optimizer: Any, layer: Any) -> tuple[Tensor, Tensor]:
     A = state["A.mat"] if "A.mat" in state else torch.diag(state["A.diag"])
     G = state["G.mat"] if "G.mat" in state else torch.diag(state["G.diag"])
     return A, G
+
+
+def curvlinops_layer_factors(
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    approx: str,
+    skip: frozenset[int] = frozenset(),
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """curvlinops' `(input, gradient)` covariances of the model's layers, by name.
+
+    The layers are its `Linear` and `Conv2d` modules (curvlinops' layer types; a
+    cross-entropy loss, empirical Fisher), except those whose `id` is in `skip`.
+    """
+    params = [
+        p
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d)) and id(m) not in skip
+        for p in m.parameters()
+    ]
+    return curvlinops_factors(model, X, y, nn.CrossEntropyLoss(), approx, params)
+
+
+def assert_keys_trained(
+    optimizer: Any, qkv: nn.Module, name: str, before: Tensor, losses: list[float]
+) -> None:
+    """Check float32 training of a packed `qkv` whose padded keys are normalised.
+
+    The loss falls; the key rows of
+    `qkv.weight` (its middle third) moved by at least a tenth of the query's or
+    value's largest change from `before`; and under KFAC the output factor of
+    the layer `name` has no entry of the padded keys' `1/eps` size (below 1e6).
+    """
+    assert losses[-1] < losses[0]
+    moved = (qkv.weight.detach() - before).abs().unflatten(0, (3, -1))
+    query, key, value = (part.max().item() for part in moved)
+    assert key > 0.1 * min(query, value)
+    if type(optimizer).__name__ == "KFAC":
+        layer = next(x for x in optimizer.layers if x.name == name)
+        _, G = kfac_factors(optimizer, layer)
+        assert G.abs().max() < 1e6
 
 
 def expand_factors(

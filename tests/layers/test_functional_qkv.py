@@ -18,8 +18,11 @@ from torch import Tensor, nn
 
 from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.layers import FunctionalQKVAdapter, adapter_for
-from tests.layers._helpers import collected_as_unmodified, kfac_factors
-from tests.test_statistics import curvlinops_factors
+from tests.layers._helpers import (
+    collected_as_unmodified,
+    curvlinops_layer_factors,
+    kfac_factors,
+)
 
 MODELS = {  # two blocks of width 16 on 4x4 patches
     "beit": ("beit_base_patch16_224", 32, 8),
@@ -104,19 +107,7 @@ def test_factors_equal_curvlinops_on_module_calls(name, approx) -> None:
     optimizer = KFAC(model, T=1, lr=0.0, kfac_approx=approx, fallback="sgd")
     nn.functional.cross_entropy(model(X), y).backward()
     optimizer.step()
-    inputs, gradients = curvlinops_factors(
-        reference,
-        X,
-        y,
-        nn.CrossEntropyLoss(),
-        approx,
-        params=[  # (curvlinops takes the parameters of its layer types only)
-            p
-            for m in reference.modules()
-            if isinstance(m, (nn.Linear, nn.Conv2d))
-            for p in m.parameters()
-        ],
-    )
+    inputs, gradients = curvlinops_layer_factors(reference, X, y, approx)
     compared = 0
     for layer in optimizer.layers:
         A, G = kfac_factors(optimizer, layer)

@@ -37,10 +37,10 @@ from torch.nn import (
 from torch.nn.utils.parametrize import is_parametrized
 
 from singd_curvlinops.layers.base import LayerAdapter, Slot
+from singd_curvlinops.layers.functional_qkv import fallback_children
 from singd_curvlinops.layers.layer import BiasColumn, Layer, Site, diagonal_sides
 from singd_curvlinops.layers.linear import LinearAdapter
 from singd_curvlinops.layers.registry import adapter_for
-from singd_curvlinops.layers.window_attention import applied_functionally
 from singd_curvlinops.structure_policy import resolve_structures
 
 
@@ -74,10 +74,11 @@ def find_sites(model: Module) -> list[SiteCandidate]:
     """Return the slots of the model's supported modules, in module order.
 
     Children that an adapter handles with their parent (`submodules`) are skipped,
-    and so are two kinds of modules whose parameters go to the fallback rule:
+    and so are three kinds of modules whose parameters go to the fallback rule:
     children that their parent applies with `F.linear`, which no module hook
-    sees (of an unmatched `nn.MultiheadAttention`; timm's Swin V2 `qkv`,
-    `window_attention.applied_functionally`), and parametrized modules
+    sees (of an unmatched `nn.MultiheadAttention`), timm's Swin V2 `qkv` where
+    its attention calls it as a module, whose hooks would keep padded rows
+    (`functional_qkv.fallback_children`), and parametrized modules
     (`torch.nn.utils.parametrize`: `weight_norm`, `spectral_norm`, ...), whose
     weight is computed from other parameters.
 
@@ -94,7 +95,7 @@ def find_sites(model: Module) -> list[SiteCandidate]:
             continue
         if isinstance(module, MultiheadAttention):  # applies out_proj functionally
             claimed.update(id(child) for child in module.children())
-        claimed.update(id(child) for child in applied_functionally(module))
+        claimed.update(id(child) for child in fallback_children(module))
         adapter = adapter_for(module)
         if adapter is None or is_parametrized(module):  # (weight_norm, ...)
             continue  # its parameters compute the weight: the fallback's

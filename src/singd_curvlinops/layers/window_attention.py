@@ -57,14 +57,10 @@ gets gradients.
 
 **timm's Swin V2** (`timm.models.swin_transformer_v2.WindowAttention`) has the
 same two properties, but its windows reach the module already cut, with the
-padding in the edge windows only, so no row position is padding in every window
-and the rows cannot be left out this way. Its `qkv` goes to the fallback rule
-(`applied_functionally`): by default the module applies `qkv.weight` with
-`F.linear` (no hook sees it: until 2026-12-02 the layer received no statistics,
-warned at every step and was stepped with identity factors), and where it calls
-`qkv` as a module (`qkv_bias=False` or `qkv_bias_separate=True`) the padded
-rows would give it the curvature above. Its `proj` and `cpb_mlp` are
-preconditioned linear layers.
+padding in the edge windows only, at positions that differ between windows; it
+applies `qkv.weight` with `F.linear` on the windows and is
+`functional_qkv.FunctionalQKVAdapter`'s, which leaves the padded rows out of
+the statistics by zeroing their output-gradient rows instead.
 """
 
 from __future__ import annotations
@@ -81,29 +77,7 @@ from singd_curvlinops.layers.linear_calls import Apply, RecomputingAdapter
 from singd_curvlinops.layers.matching import plain_forward
 
 _SWIN = "torchvision.models.swin_transformer"
-_TIMM_SWIN_V2 = "timm.models.swin_transformer_v2"
 _SLOTS = ("qkv", "proj")
-
-
-def applied_functionally(module: Module) -> tuple[Module, ...]:
-    """Return the children of timm's Swin V2 attention that go to the fallback rule.
-
-    `layers.find_sites` gives their parameters to the fallback rule, as it does
-    for an unmatched `nn.MultiheadAttention`'s children (module docs).
-
-    Args:
-        module: A submodule of the model.
-
-    Returns:
-        `(qkv,)` for timm's `swin_transformer_v2.WindowAttention` and subclasses
-        that keep its `forward`; else `()`.
-    """
-    timm_v2 = sys.modules.get(_TIMM_SWIN_V2)
-    base = getattr(timm_v2, "WindowAttention", None)
-    if base is None or not isinstance(module, base) or not plain_forward(module, base):
-        return ()
-    qkv = getattr(module, "qkv", None)
-    return (qkv,) if isinstance(qkv, Module) else ()
 
 
 def _attention_class(module: Module) -> type[Module] | None:

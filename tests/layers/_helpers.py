@@ -48,10 +48,10 @@ def assert_keys_trained(
 ) -> None:
     """Check float32 training of a packed `qkv` whose padded keys are normalised.
 
-    The loss falls; the key rows of
-    `qkv.weight` (its middle third) moved by at least a tenth of the query's or
-    value's largest change from `before`; and under KFAC the output factor of
-    the layer `name` has no entry of the padded keys' `1/eps` size (below 1e6).
+    The loss falls; the key rows of `qkv.weight` (its middle third) moved by at
+    least a tenth of the query's or value's largest change from `before`; and
+    under KFAC the output factor of the layer `name` has no entry of the padded
+    keys' `1/eps` size (below 1e6).
     """
     assert losses[-1] < losses[0]
     moved = (qkv.weight.detach() - before).abs().unflatten(0, (3, -1))

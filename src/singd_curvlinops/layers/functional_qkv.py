@@ -263,10 +263,9 @@ class FunctionalQKVAdapter(RecomputingAdapter):
         Returns:
             The output-gradient rows.
         """
-        if _attention_class(module) is _class(_NORMALISED_KEYS):
+        if _attention_class(module) is _class(_NORMALISED_KEYS):  # (no host read)
             zero = use.x.eq(0).all(dim=-1, keepdim=True)
-            if bool(zero.any()):
-                grad_output = grad_output.masked_fill(zero, 0.0)
+            grad_output = grad_output.masked_fill(zero, 0.0)
         return super().use_gradient_rows(
             module, use, grad_output, kfac_approx, loss_average
         )

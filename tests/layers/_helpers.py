@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,6 +42,25 @@ def curvlinops_layer_factors(
         for p in m.parameters()
     ]
     return curvlinops_factors(model, X, y, nn.CrossEntropyLoss(), approx, params)
+
+
+def train_without_warnings(
+    model: nn.Module, optimizer: Any, X: Tensor, y: Tensor, steps: int
+) -> list[float]:
+    """Take `steps` cross-entropy steps on `(X, y)`, any warning an error.
+
+    (No "received no statistics", nothing.) Returns the losses.
+    """
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(X), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
 
 
 def assert_keys_trained(

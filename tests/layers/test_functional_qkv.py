@@ -9,7 +9,6 @@ curvlinops' own hooks see the layer.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import timm
@@ -22,6 +21,7 @@ from tests.layers._helpers import (
     collected_as_unmodified,
     curvlinops_layer_factors,
     kfac_factors,
+    train_without_warnings,
 )
 
 MODELS = {  # two blocks of width 16 on 4x4 patches
@@ -75,12 +75,7 @@ def test_qkv_is_a_weight_only_layer_and_the_biases_go_to_the_fallback(name) -> N
         assert {id(attention.q_bias), id(attention.v_bias)} <= fallback
     X, y = _data(name)
     before = [attention.qkv.weight.detach().clone() for attention in attentions]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "received no statistics", nothing
-        for _ in range(2):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(X), y).backward()
-            optimizer.step()
+    train_without_warnings(model, optimizer, X, y, 2)
     for attention, weight in zip(attentions, before, strict=True):
         assert not torch.equal(attention.qkv.weight, weight)
 

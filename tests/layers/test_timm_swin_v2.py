@@ -11,7 +11,6 @@ adapter leaves out of the statistics, expressed with module calls.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from tests.layers._helpers import (
     collected_as_unmodified,
     curvlinops_layer_factors,
     kfac_factors,
+    train_without_warnings,
 )
 
 
@@ -65,16 +65,7 @@ def _data(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
 
 def _train(model: nn.Module, optimizer, steps: int) -> list[float]:
     X, y = _data(torch.float32)
-    losses = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "received no statistics", nothing
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(X), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    return losses
+    return train_without_warnings(model, optimizer, X, y, steps)
 
 
 def test_qkv_is_a_weight_only_layer_and_the_biases_go_to_the_fallback() -> None:

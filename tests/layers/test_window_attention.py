@@ -11,7 +11,6 @@ as the adapter defines the layer (module docs of `window_attention`).
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from tests.layers._helpers import (
     collected_as_unmodified,
     curvlinops_layer_factors,
     kfac_factors,
+    train_without_warnings,
 )
 
 B = 3
@@ -59,16 +59,9 @@ def _data(seed: int = 1, batch: int = B) -> tuple[Tensor, Tensor]:
 def _train(
     model: nn.Module, optimizer: Any, dtype: torch.dtype = torch.float64
 ) -> list[float]:
-    """Take five steps on `_data()`; return the losses."""
+    """Take five steps on `_data()` without warnings; return the losses."""
     X, y = _data()
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(X.to(dtype)), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_without_warnings(model, optimizer, X.to(dtype), y, 5)
 
 
 def _attentions(model: nn.Module) -> list[nn.Module]:
@@ -120,12 +113,7 @@ def test_swin_v2_projections_are_layers_with_the_key_bias_on_the_fallback() -> N
         assert id(attention.qkv.bias) in fallback
         assert not {id(attention.qkv.weight), id(attention.proj.weight)} & fallback
     X, y = _data()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "received no statistics", nothing
-        for _ in range(2):
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(X), y).backward()
-            optimizer.step()
+    train_without_warnings(model, optimizer, X, y, 2)
 
 
 @pytest.mark.parametrize("optimizer_class", [KFAC, EKFAC, SINGD])

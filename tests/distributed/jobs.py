@@ -316,6 +316,9 @@ def _bytes(results: dict[str, Any]) -> None:
                 optimizer, update=step == 0, rows=rows
             )
         results[f"bytes/{name}/dense"] = bytes_per_step(optimizer, update=True)
+        results[f"bytes/{name}/keys"] = sum(  # layers and transposed twins
+            1 + (layer.twin is not None) for layer in optimizer.layers
+        )
     for distribute in ("replicate", "shard", "owned"):  # a twin's statistics too
         case = Case(DENSE, distribute=distribute, model="tied")
         net = wrap(case, build_model(case.model))
@@ -417,6 +420,15 @@ def misuse(results: dict[str, Any], out: Path) -> None:
             results[f"misuse/options/{distribute}/{T}"] = _options_apart(
                 rank, distribute, T
             )
+    for distribute in ("shard", "owned"):
+        for change in ("T", "layer"):
+            for T in (1, 2):
+                results[f"misuse/changed_apart/{distribute}/{change}/{T}"] = _changed(
+                    rank, distribute, T, change, alike=False
+                )
+            results[f"misuse/changed_alike/{distribute}/{change}"] = _changed(
+                rank, distribute, 2, change, alike=True
+            )
     case = Case(SPARSE, "manual", "owned")
     optimizer = train(case, steps=1)[2]
     results["misuse/not_held"] = [
@@ -502,6 +514,37 @@ def _options_apart(rank: int, distribute: str, T: int) -> tuple[int, str]:
         if message != "no error":
             return step, message
     return -1, "no error"
+
+
+def _changed(
+    rank: int, distribute: str, T: int, change: str, *, alike: bool
+) -> tuple[int, str, list[torch.Tensor]]:
+    """Rank 1 (every rank if `alike`) changes its configuration during training.
+
+    Before step 2 (T = 1: an update step of rank 0) or step 3 (T = 2: a step
+    between updates of rank 0) it sets its factor update interval to 3
+    (`change="T"`) or removes the first layer's weight from its parameter group
+    (`"layer"`: one layer fewer, so a shorter statistics summary).
+
+    Returns:
+        The step that raised (-1: none within five steps), its error, and the
+        parameters after the last step (none if one raised).
+    """
+    case = Case({**SPARSE, "T": T}, "manual", distribute)
+    model = build_model(case.model)
+    optimizer = make_optimizer(case, model)
+    for step in range(5):
+        if step == 1 + T and (alike or rank == 1):
+            group = optimizer.param_groups[0]
+            if change == "T":
+                group["T"] = 3
+            else:
+                weight = next(model.parameters())
+                group["params"] = [p for p in group["params"] if p is not weight]
+        message = _error(lambda step=step: train_step(case, model, optimizer, step))
+        if message != "no error":
+            return step, message, []
+    return -1, "no error", [p.detach().clone() for p in model.parameters()]
 
 
 def _never_steps(results: dict[str, Any], out: Path, rank: int) -> None:

@@ -29,6 +29,10 @@ from tests.distributed.harness import (
 )
 from tests.distributed.jobs import CASES_W2, CASES_W3
 
+# `StepCheck` on two ranks: each rank's configuration checksum, step count and
+# options' fingerprint, in float64
+STEP_CHECK = 3 * 2 * 8
+
 pytestmark = pytest.mark.slow
 
 
@@ -250,9 +254,11 @@ def test_recorded_bytes_of_tied_weights(w2: list[dict], distribute: str) -> None
         recorded = result[f"bytes/tied/{distribute}"]
         reported = result[f"bytes/tied/{distribute}/reported"]
         exchanged = recorded["all_reduce"] + recorded["all_to_all"]
-        assert sum(exchanged) == reported["statistics"] > 0
+        # Shard's step check rides at the head of the statistics summary
+        head = 0 if distribute == "replicate" else STEP_CHECK
+        assert sum(exchanged) == reported["statistics"] + head > 0
         assert bool(recorded["all_to_all"]) == (distribute != "replicate")
-        assert sum(recorded["checks"][1:]) == reported["checks"]
+        assert sum(recorded["checks"][1:]) + head == reported["checks"]
         gathered = [reported["gather"]] if reported["gather"] else []
         assert recorded["all_gather"] == gathered
         assert (reported["gather"] > 0) == (distribute != "replicate")
@@ -268,18 +274,28 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
             reported = result[f"bytes/{name}/{step}/reported"]
             gathered = [reported["gather"]] if reported["gather"] else []
             assert recorded["all_gather"] == gathered
-            statistics = recorded["all_reduce"] + recorded["all_to_all"]
-            assert sum(statistics) == (reported["statistics"] if step == 0 else 0)
-            # on an update step a summary all-reduce and an all-to-all to the
-            # owners (owned factors too: no layer is split by column blocks)
-            assert len(recorded["all_reduce"]) == len(recorded["all_to_all"])
-            assert len(recorded["all_to_all"]) == (step == 0)
-            # the configuration check (the optimizer's first step), the step
-            # check, on update steps the agreement on the formed statistics;
-            # the step guard's verdicts ride in the gather
+            # on an update step a summary all-reduce with the step check at its
+            # head and an all-to-all to the owners (owned factors too: no layer
+            # is split by column blocks); on a plain step the step check alone,
+            # padded to the summary's length (6 + 2P numbers per layer)
+            alone = STEP_CHECK + result[f"bytes/{name}/keys"] * (6 + 2 * 2) * 8
+            if step == 0:
+                summary, exchanged = recorded["all_reduce"], recorded["all_to_all"]
+                assert len(summary) == len(exchanged) == 1
+                assert summary[0] + exchanged[0] == reported["statistics"] + STEP_CHECK
+                assert summary[0] == alone
+            else:
+                assert recorded["all_reduce"] == [alone] and not recorded["all_to_all"]
+                assert reported["statistics"] == 0
+            # the configuration check (the optimizer's first step), on update
+            # steps the agreement on the formed statistics; the step guard's
+            # verdicts ride in the gather
             checks = recorded["checks"][1:] if step == 0 else recorded["checks"]
-            assert sum(checks) == reported["checks"]
-            assert checks[0] == 32 and len(checks) == 1 + (step == 0)
+            head = STEP_CHECK if step == 0 else alone
+            assert sum(checks) + head == reported["checks"]
+            assert len(checks) == (step == 0)
+            if step == 0:
+                assert recorded["checks"][0] == 32
     for step in (0, 1):  # the relay's messages, of both ranks together
         sent = [sum(result[f"bytes/{name}/{step}"]["isend"]) for result in w2]
         assert sum(sent) == w2[0][f"bytes/{name}/{step}/reported"]["relay"]
@@ -343,6 +359,37 @@ def test_ranks_with_different_options_raise(
         assert re.search("disagree on their options", message)
         assert re.search("scheduler stepped on some ranks only", message)
         assert re.search(r"\blr=0\.[12]\b", message)  # it names this rank's options
+
+
+@pytest.mark.parametrize("distribute", ["shard", "owned"])
+@pytest.mark.parametrize("change", ["T", "layer"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_a_configuration_changed_on_one_rank_raises(
+    misuse: list[dict], distribute: str, change: str, T: int
+) -> None:
+    # rank 1 checks its new configuration at once, in an all-reduce of the length
+    # the ranks agreed before (with one layer fewer its own summary would be
+    # shorter): it meets rank 0's statistics summary (T = 1) or rank 0's step
+    # check alone (T = 2) instead of aborting gloo on a size mismatch
+    for result in misuse:
+        key = f"misuse/changed_apart/{distribute}/{change}/{T}"
+        step, message, _ = result[key]
+        assert step == 1 + T, message
+        assert re.search("disagree on the layers, structures or options", message)
+
+
+@pytest.mark.parametrize("distribute", ["shard", "owned"])
+@pytest.mark.parametrize("change", ["T", "layer"])
+def test_a_configuration_changed_on_every_rank_trains_on(
+    misuse: list[dict], distribute: str, change: str
+) -> None:
+    key = f"misuse/changed_alike/{distribute}/{change}"
+    results = [result[key] for result in misuse]
+    for step, message, _ in results:
+        assert step == -1, message
+    assert results[0][2]  # (parameters after five steps)
+    for mine, theirs in zip(results[0][2], results[1][2], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
 def test_a_rank_that_never_steps_times_out_with_the_cause(misuse: list[dict]) -> None:

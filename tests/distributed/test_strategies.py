@@ -202,10 +202,15 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
         "statistics": 0,
         "gather": 2 * max(shares) * 8,
         "relay": 0,  # (diagonal factors: no layer is split)
-        "checks": 32,  # the step check: the step count, the options' fingerprint
+        # the step check alone: every rank's configuration checksum, step count
+        # and options' fingerprint, padded to the summary's 6 + 2P per layer
+        "checks": (3 * 2 + 2 * (6 + 2 * 2)) * 8,
     }
     update = bytes_per_step(optimizer, update=True, world_size=2)
     assert update["statistics"] == bytes_per_update(optimizer, world_size=2)
+    # at the head of the summary: the step check's numbers; and the agreement on
+    # what the owners formed, a 32-bit integer per layer
+    assert update["checks"] == 3 * 2 * 8 + 2 * 4
     assert update["gather"] > plain["gather"]  # the updated factors travel too
     owned = SINGD(
         _model(), structures=("dense", "dense"), distribute=Shard(factors="owned")

@@ -3,15 +3,17 @@
 Every collective goes through `torch.distributed` (no other transport). Two checks
 turn misuse into errors on every rank instead of a hang or a silent divergence:
 
-- `check_same_configuration`, whenever the layers or options change: the ranks
-  compare a checksum of their layers, structures, options and distribution
-  strategy (mismatched collectives would otherwise crash the gloo backend);
-- `check_same_step`, at every step of a sharded strategy: the ranks compare their
+- `check_same_configuration`, at the optimizer's first step (every strategy): the
+  ranks compare a checksum of their layers, structures, options and
+  distribution strategy (mismatched collectives would otherwise crash the gloo
+  backend); under `Replicate` again whenever they change;
+- `StepCheck`, at every step of a sharded strategy: the ranks compare their
   step counts (a rank that skipped `step()` would pair its collectives with
-  another step's) and a `fingerprint` of their options (`lr`, `damping`, ...:
-  one rank's scheduler or setting would make the parameters diverge silently);
-  under `Replicate` the fingerprints travel in the statistics all-reduce of
-  every factor update instead (`check_same_options`).
+  another step's), a `fingerprint` of their options (`lr`, `damping`, ...:
+  one rank's scheduler or setting would make the parameters diverge silently)
+  and a checksum of their configuration (a change on some ranks only), in the
+  step's first all-reduce; under `Replicate` the fingerprints travel in the
+  statistics all-reduce of every factor update instead (`check_same_options`).
 
 A collective that fails (a peer that never arrives times out after the process
 group's `timeout`, a crashed peer closes the connection) raises a `RuntimeError`
@@ -23,6 +25,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -99,8 +102,8 @@ def fingerprint(text: str) -> int:
 def _agree(first: int, second: int, device: torch.device) -> list[int]:
     """Return the extremes of two integers over all ranks (one all-reduce).
 
-    Every check sends the same four numbers, so that two different checks that
-    meet (ranks that disagree on which one is due) still pair up and raise.
+    `check_same_configuration` sends four numbers, the same on every rank and
+    strategy at the optimizer's first step.
 
     Args:
         first: A 63-bit integer.
@@ -165,6 +168,23 @@ def check_same_options(slots: list[float], options: str) -> None:
         raise RuntimeError(options_disagree(options))
 
 
+def configuration_disagrees(description: str) -> str:
+    """Return the message of ranks whose optimizers exchange different statistics.
+
+    Args:
+        description: This rank's layers, structures, options and strategy.
+
+    Returns:
+        The message.
+    """
+    return (
+        "The processes' optimizers disagree on the layers, structures or "
+        f"options whose statistics they exchange (rank {rank()} has: "
+        f"{description}). "
+        "Build the same model and optimizer on every rank."
+    )
+
+
 def check_same_configuration(description: str, device: torch.device) -> None:
     """Raise on every process unless all processes pass the same `description`.
 
@@ -180,37 +200,108 @@ def check_same_configuration(description: str, device: torch.device) -> None:
     with named_collective("The configuration check of the optimizer's first step"):
         low, high, *_ = _agree(checksum, 0, device)
     if low != checksum or high != checksum:
-        raise RuntimeError(
-            "The processes' optimizers disagree on the layers, structures or "
-            f"options whose statistics they exchange (rank {rank()} has: "
-            f"{description}). "
-            "Build the same model and optimizer on every rank."
-        )
+        raise RuntimeError(configuration_disagrees(description))
 
 
-def check_same_step(step: int, options: str, device: torch.device) -> None:
-    """Raise on every process unless all are at the same step, with the same options.
+@dataclass(frozen=True)
+class StepCheck:
+    r"""This rank's step count, options and configuration, checked at every step.
 
-    Args:
-        step: How many steps this process's optimizer has taken.
+    `Shard` checks them at every step of several ranks: a rank that skipped
+    `step()` would pair its collectives with another step's, and one rank's
+    options (a scheduler stepped there only) would make the parameters diverge
+    silently. Each rank writes its three numbers into its own slots of
+    \(3P\) float64 numbers, zeros elsewhere (`slots`); after a sum every rank
+    holds every rank's numbers exactly (a step count below \(2^{53}\),
+    32-bit checksums) and `verify` raises alike on every rank.
+
+    The slots ride at the head of the step's first all-reduce: on an update
+    step the statistics summary (`owner_statistics`), else an all-reduce of
+    their own (`alone`). Both are `length` numbers long, the same on every rank
+    whose configuration agreed when it was last checked: ranks at different
+    steps (one due for a factor update, one not) or with different
+    configurations still meet in a collective of one size and raise, where
+    collectives of different sizes would abort the gloo backend.
+
+    Attributes:
+        step: How many steps this rank's optimizer has taken.
         options: Its options (`exchange.describe_options`).
-        device: Device of the collective's tensor.
-
-    Raises:
-        RuntimeError: If the step counts or the options' fingerprints differ.
+        configuration: Its layers, structures, options and strategy
+            (`exchange.describe_layers` and the strategy).
+        length: The numbers of the all-reduce that carries the slots.
+        device: The device of the collective's tensor.
     """
-    checksum = fingerprint(options)
-    with named_collective("The step check of a sharded optimizer"):
-        low, high, options_low, options_high = _agree(step, checksum, device)
-    if options_low != options_high and low == high:
-        raise RuntimeError(options_disagree(options))
-    if low != high:
-        raise RuntimeError(
-            f"The ranks disagree on the optimizer's step count (rank {rank()}: "
-            f"{step}; the ranks range from {low} to {high}): a rank skipped "
-            "optimizer.step() or called it more often. Every rank must call "
-            "step() once per iteration."
+
+    step: int
+    options: str
+    configuration: str
+    length: int
+    device: torch.device
+
+    @staticmethod
+    def size(processes: int) -> int:
+        r"""Return the number of slots: three per rank.
+
+        Args:
+            processes: The number of ranks.
+
+        Returns:
+            \(3P\).
+        """
+        return 3 * processes
+
+    def slots(self) -> Tensor:
+        """Return this rank's slots: its numbers in its place, zeros elsewhere.
+
+        Returns:
+            The configuration's checksum, the step count and the options'
+            `fingerprint`, each in slot `rank()` of a block of `world_size()`
+            float64 numbers.
+        """
+        processes, me = world_size(), rank()
+        values = torch.zeros(self.size(processes), dtype=torch.float64)
+        values[me] = zlib.crc32(self.configuration.encode())
+        values[processes + me] = self.step
+        values[2 * processes + me] = fingerprint(self.options)
+        return values.to(self.device)
+
+    def verify(self, summed: Sequence[float]) -> None:
+        """Raise on every rank unless all ranks' numbers agree.
+
+        Args:
+            summed: The slots summed over the ranks (the same on every rank).
+
+        Raises:
+            RuntimeError: If the configurations differ; else if the step counts
+                do; else if the options do.
+        """
+        processes = world_size()
+        checksums, steps, options = (
+            summed[block * processes : (block + 1) * processes] for block in range(3)
         )
+        if len(set(checksums)) > 1:
+            raise RuntimeError(configuration_disagrees(self.configuration))
+        if len(set(steps)) > 1:
+            raise RuntimeError(
+                "The ranks disagree on the optimizer's step count (rank "
+                f"{rank()}: {self.step}; the ranks range from {round(min(steps))} "
+                f"to {round(max(steps))}): a rank skipped optimizer.step() or "
+                "called it more often. Every rank must call step() once per "
+                "iteration."
+            )
+        if len(set(options)) > 1:
+            raise RuntimeError(options_disagree(self.options))
+
+    def alone(self) -> None:
+        """Check in an all-reduce of its own (the slots, then zeros to `length`).
+
+        `verify` raises where the ranks disagree.
+        """
+        buffer = torch.zeros(self.length, dtype=torch.float64, device=self.device)
+        buffer[: self.size(world_size())] = self.slots()
+        with named_collective("The step check of a sharded optimizer"):
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        self.verify(buffer[: self.size(world_size())].tolist())
 
 
 def agree(flags: Tensor) -> Tensor:

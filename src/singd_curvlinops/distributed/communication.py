@@ -18,8 +18,12 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
   one other (all ranks' messages together).
-- **checks**: the configuration check (once), the step check of `Shard` (four
-  64-bit integers per step: the step count and the options' fingerprint); on
+- **checks**: the configuration check (once), not counted; the step check of
+  `Shard` (`collectives.StepCheck`: \(3P\) float64 numbers per step, the
+  ranks' configuration checksums, step counts and options' fingerprints), at
+  the head of the statistics summary where an update step reduces the
+  statistics to their owners, else in an all-reduce of its own padded to the
+  summary's length (\(6 + 2P\) numbers per layer and transposed twin); on
   update steps also the agreement on the statistics that owners formed
   (`formed_statistics`: a 32-bit integer per layer reduced to its owners, or one
   under owned factors). The step guard's verdicts on the inputs and the factor
@@ -45,11 +49,12 @@ import torch
 from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
+from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_row_shards
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
-from singd_curvlinops.distributed.owner_statistics import owner_ranks
+from singd_curvlinops.distributed.owner_statistics import owner_ranks, summary_length
 from singd_curvlinops.distributed.raw_gram import kept_structures
 from singd_curvlinops.distributed.shard import Shard
 
@@ -90,15 +95,7 @@ def bytes_per_update(
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     world = world_size or collectives.world_size()
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
-    columns = dense and any(  # a layer split by column blocks: the all-reduce
-        assignment.columns
-        for assignment in strategy.assignments(
-            layers, optimizer.param_groups, optimizer.rule, world
-        ).values()
-    )
-    to_owners = (
-        isinstance(strategy, Shard) and not columns and not optimizer.rule.per_example
-    )
+    to_owners = _to_owners(optimizer, world)
     wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
     keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
     for layer in keys:  # (a transposed twin's statistics travel as its own)
@@ -125,6 +122,28 @@ def bytes_per_update(
     if world > 1 and not isinstance(strategy, Shard):  # options' fingerprints
         total += world * (8 if wide else 4)
     return total
+
+
+def _to_owners(optimizer: Any, world: int) -> bool:
+    """Return whether an update step reduces the statistics to their owners.
+
+    Args:
+        optimizer: The optimizer.
+        world: The number of ranks.
+
+    Returns:
+        Under `Shard`, unless the rule keeps per-example rows or (owned factors)
+        a layer is split by column blocks (`owner_statistics.owner_ranks`).
+    """
+    strategy = optimizer.distribution
+    if not isinstance(strategy, Shard) or optimizer.rule.per_example:
+        return False
+    if strategy.factors == "replicated":
+        return True
+    plan = strategy.assignments(
+        list(optimizer.layers), optimizer.param_groups, optimizer.rule, world
+    )
+    return not any(assignment.columns for assignment in plan.values())
 
 
 def bytes_per_step(
@@ -187,20 +206,22 @@ def bytes_per_step(
         relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize
         if plan[layer].helper is not None:  # the factor shipped to the helper
             relay += layer.dims[1 - plan[layer].anchor] ** 2 * itemsize
+    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
     # the step guard's all-reduce (FSDP2 only): inputs, sides, layers, fallback
     verdicts = 0 if shared else 1 + (2 * update + 1) * len(layers) + len(fallback)
     if update:  # the agreement on what the owners formed (`formed_statistics`)
         if strategy.factors == "owned":
             verdicts += len(split) < len(layers)
-        else:  # per due layer and transposed twin (tied weights)
-            keys = [k for layer in layers for k in (layer, layer.twin) if k]
-            if owner_ranks(plan, keys, rule, owned=False) is not None:
-                verdicts += len(keys)
+        elif owner_ranks(plan, keys, rule, owned=False) is not None:
+            verdicts += len(keys)  # per due layer and transposed twin (tied weights)
+    check = StepCheck.size(world)  # (`StepCheck`: alone, padded to the summary's)
+    if not (update and _to_owners(optimizer, world)):
+        check += summary_length(len(keys), world)
     return {
         "statistics": statistics,
         "gather": gathered,
         "relay": relay,
-        "checks": 32 + 4 * verdicts,
+        "checks": 8 * check + 4 * verdicts,
     }
 
 

@@ -51,6 +51,7 @@ from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import formed_statistics
 from singd_curvlinops.distributed.buffers import Buffers, lend
 from singd_curvlinops.distributed.collectives import (
+    StepCheck,
     check_same_options,
     fingerprint,
     named_collective,
@@ -98,7 +99,7 @@ def describe_layers(
 
 
 def describe_options(groups: Sequence[dict[str, Any]], keys: Sequence[str]) -> str:
-    """Describe the optimizer's options in every parameter group (`check_same_step`).
+    """Describe the optimizer's options in every parameter group (`StepCheck`).
 
     Numbers by their exact `repr`, a one-number tensor (a tensor `lr`) by its
     value, a callable (`lr_cov`) by its name: the same text on every rank that
@@ -209,6 +210,10 @@ class StatisticsExchange:
             owner (`Shard(factors="owned")`, see `owner_statistics`).
         options: This rank's options, checked in the all-reduce (None: not
             checked here; `Shard` checks them with the step count).
+        check: The step check that rides in the exchange's first collective
+            (`collectives.StepCheck`): in the statistics summary where the
+            statistics go to their owners, else in an all-reduce of its own
+            first; None: none.
         buffers: The strategy's message buffers (the all-reduce's, kept
             between steps; None: allocated at every exchange).
     """
@@ -222,9 +227,11 @@ class StatisticsExchange:
         owners: Callable[[Sequence[Layer]], list[Owners] | None] | None = None,
         keep_rows: bool = False,
         options: str | None = None,
+        check: StepCheck | None = None,
         buffers: Buffers | None = None,
     ):
         self._options = options
+        self._check = check
         self._buffers = buffers
         self._zeros = zeros
         self._grad_scale = grad_scale
@@ -243,6 +250,8 @@ class StatisticsExchange:
                 on every process.
         """
         if not due:
+            if self._check is not None:
+                self._check.alone()
             return
         records = []
         for layer in due:
@@ -259,10 +268,12 @@ class StatisticsExchange:
                 record.H_K, record.H_C = map(as_structured, (record.H_K, record.H_C))
         statistics = [(r.H_K, r.H_C, r.num_examples) for r in records]
         if owners is None:
+            if self._check is not None:
+                self._check.alone()
             totals = all_reduce_statistics(statistics, self._options, self._buffers)
         else:
             totals, kept, finite = reduce_to_owners(
-                statistics, owners, keep_rows=self._keep_rows
+                statistics, owners, keep_rows=self._keep_rows, check=self._check
             )
             if not self._keep_rows:  # (the owned form checks in its step)
                 finite = formed_statistics.agreed(kept, owners, finite)

@@ -46,7 +46,11 @@ what every rank needs:
   after the all-reduce (`KroneckerOptimizer`'s finiteness check);
 - every rank's number of rows per side, and per side how many ranks hold it
   densely: every rank chooses each side's form alike, and knows the sizes of
-  the all-to-all.
+  the all-to-all;
+- at its head, `Shard`'s step check (`collectives.StepCheck`: every rank's
+  step count, options and configuration, \(3P\) numbers), padded with zeros
+  to the length of every step's first all-reduce: one collective fewer per
+  update step than a check of its own.
 
 A side formed from rows (by its owner, or by a rank before it travels densely)
 can overflow where the rows did not (about \(10^{19}\) in float32): the ranks
@@ -74,7 +78,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from singd_curvlinops.distributed.assignment import Assignment
-from singd_curvlinops.distributed.collectives import named_collective, rank, world_size
+from singd_curvlinops.distributed.collectives import (
+    StepCheck,
+    named_collective,
+    rank,
+    world_size,
+)
 from singd_curvlinops.distributed.gram_rows import GramRows, as_structured
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
@@ -123,6 +132,7 @@ def reduce_to_owners(
     owners: Sequence[Owners],
     *,
     keep_rows: bool = False,
+    check: StepCheck | None = None,
 ) -> tuple[list[int], list[tuple[Any, Any]], list[bool]]:
     r"""Combine the ranks' statistics on their owners (module docs).
 
@@ -136,6 +146,9 @@ def reduce_to_owners(
             owner (`GramRows` of all ranks' rows stacked: under
             `Shard(factors="owned")` the owner projects raw rows with its
             factors, `engine`) instead of being formed.
+        check: The step check that rides at the head of the summary, which is
+            then padded with zeros to the check's length (`collectives.StepCheck`);
+            None: the summary alone.
 
     Returns:
         Per layer, the total number of examples \(N\); and per layer the
@@ -148,7 +161,7 @@ def reduce_to_owners(
     me, processes = rank(), world_size()
     sides = [[H_K, H_C] for H_K, H_C, _ in statistics]
     dtype = wire_dtype([matrix for pair in sides for matrix in pair])
-    layout, combined = _agree_on_layout(statistics, sides)
+    layout, combined = _agree_on_layout(statistics, sides, check)
     for index, pair in enumerate(sides):  # sides that travel densely, formed
         for side in (0, 1):
             if layout.rows[index][side] is None:
@@ -227,19 +240,37 @@ class _Layout:
         return matrix.numel() if rows is None else rows[sender] * matrix.dim
 
 
+def summary_length(layers: int, processes: int) -> int:
+    r"""Return the numbers of the statistics summary (`_agree_on_layout`).
+
+    Args:
+        layers: The number of layers (and transposed twins) exchanged.
+        processes: The number of ranks.
+
+    Returns:
+        \(6 + 2P\) per layer.
+    """
+    return layers * (6 + 2 * processes)
+
+
 def _agree_on_layout(
-    statistics: Sequence[Statistics], sides: list
+    statistics: Sequence[Statistics], sides: list, check: StepCheck | None
 ) -> tuple[_Layout, list[list[float]]]:
     r"""Sum the layers' summaries and every rank's rows; choose each side's form.
 
     One all-reduce (sum, float64): per layer the example count, the traces and
     the probe; every rank's rows per side; per side how many ranks hold it
-    densely. A side travels as rows iff no rank with examples holds it densely
-    and all ranks together have some rows, but fewer than its dimension.
+    densely (`summary_length` numbers). A side travels as rows iff no rank with
+    examples holds it densely and all ranks together have some rows, but fewer
+    than its dimension. A step check rides at the head and is verified first
+    (`StepCheck.verify` raises on every rank where they disagree); zeros pad the
+    buffer to its length (every rank's first all-reduce of the step has that
+    length, `collectives.StepCheck`).
 
     Args:
         statistics: As for `reduce_to_owners`.
         sides: This rank's `[H_K, H_C]` per layer.
+        check: The step check, or None.
 
     Returns:
         The layout, and per layer \((N, N\,\bar{\mathrm{tr}}(H_K),
@@ -268,10 +299,18 @@ def _agree_on_layout(
     flat = [n for table in rows for pair in table for n in pair]
     flat += [n for pair in dense for n in pair]
     numbers = torch.tensor(flat, dtype=torch.float64, device=device)
-    buffer = torch.cat([torch.stack(summary), numbers])
+    parts = [torch.stack(summary), numbers]
+    if check is not None:  # (the slots first, zeros last: see `StepCheck`)
+        head = check.slots()
+        tail = check.length - len(head) - summary_length(layers, processes)
+        parts = [head, *parts, head.new_zeros(tail)]
+    buffer = torch.cat(parts)
     with named_collective("The statistics summary of the optimizer's step"):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     values = buffer.tolist()  # one synchronisation
+    if check is not None:
+        check.verify(values[: len(head)])
+        values = values[len(head) :]
     combined = [values[4 * i : 4 * i + 4] for i in range(layers)]
     table = values[4 * layers : 4 * layers + 2 * layers * processes]
     held_densely = values[4 * layers + 2 * layers * processes :]

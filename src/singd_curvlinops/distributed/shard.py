@@ -11,8 +11,10 @@ owner keeps a layer's factors (and projects the raw rows: `raw_gram`); layers
 are not split by sides, but a SINGD layer whose dense \(K\) dominates the
 factor state is split by column blocks, and one that dominates the work gets a
 helper (`relay`). `Shard(factors="owned")` is not available under FSDP2 (the
-row scheme needs every factor on every rank). At every step one all-reduce
-checks that the ranks are at the same step, with the same options.
+row scheme needs every factor on every rank). At every step the step's first
+all-reduce checks that the ranks are at the same step, with the same options
+and configuration (`collectives.StepCheck`): on update steps it is the
+statistics summary (`owner_statistics`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from typing import Any
 
 from singd_curvlinops.distributed import ownership, raw_gram
 from singd_curvlinops.distributed.assignment import Assignment, assign_layers
-from singd_curvlinops.distributed.collectives import check_same_step, world_size
+from singd_curvlinops.distributed.collectives import (
+    StepCheck,
+    check_same_configuration,
+    world_size,
+)
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import is_sharded
-from singd_curvlinops.distributed.owner_statistics import owner_ranks
+from singd_curvlinops.distributed.owner_statistics import owner_ranks, summary_length
 from singd_curvlinops.distributed.strategy import (
     DistributionStrategy,
     Projection,
@@ -55,6 +61,8 @@ class Shard(DistributionStrategy):
             `share="factors"` comes with `factors="owned"`.
     """
 
+    checks_steps = True  # (`_check`: at every step, in its first all-reduce)
+
     def __init__(
         self, *, factors: str = "replicated", share: str = "directions"
     ) -> None:
@@ -70,6 +78,7 @@ class Shard(DistributionStrategy):
             )
         self.factors, self.share = factors, share
         self.plan: dict[Layer, Assignment] = {}
+        self._check_length: int | None = None  # (`_check`: agreed at each change)
 
     def __repr__(self) -> str:
         """Return the strategy as users write it.
@@ -201,25 +210,47 @@ class Shard(DistributionStrategy):
         """Return per due layer the owners of its K and C (`owner_statistics`)."""
         return owner_ranks(self.plan, due, rule, owned=self._owned)
 
-    def _check_step(
+    def _check(
         self,
         layers: Sequence[Layer],
         state: State,
+        description: str,
         options: str,
-    ) -> bool:
-        """Raise on every rank unless all ranks are at the same step and options.
+    ) -> StepCheck | None:
+        """Check the ranks' step counts, options and configuration at every step.
+
+        At the first step every strategy's configuration check comes first.
+        Then the numbers ride in this step's first all-reduce, as long as the
+        ranks' agreed configuration makes it (`StepCheck`); where this rank's
+        configuration changed since, they are checked at once, in an
+        all-reduce of the length agreed before, which meets the others' first
+        all-reduce whether or not their configuration changed alike.
 
         Args:
             layers: The layers.
             state: The state.
+            description: This rank's configuration.
             options: This rank's options (`exchange.describe_options`).
 
         Returns:
-            True: one all-reduce at every step checks both.
+            The check for the step's first collective (`StatisticsExchange`), or
+            None where it was made here.
         """
+        device, agreed, world = (
+            layers[0].weight.device,
+            self._check_length,
+            world_size(),
+        )
+        length = StepCheck.size(world) + summary_length(len(layers), world)
+        if agreed is None:  # the optimizer's first step
+            check_same_configuration(description, device)
         step = state[layers[0].weight]["step"]
-        check_same_step(step, options, layers[0].weight.device)
-        return True
+        check = StepCheck(step, options, description, agreed or length, device)
+        if agreed is not None and description != self._verified:
+            check.alone()
+            check = None
+        self._check_length = length  # (once the ranks agreed on `description`)
+        return check
 
     def step(self, stepper: Any, layers: Sequence[Layer]) -> None:
         """Update owned factors, precondition owned layers, share, apply.

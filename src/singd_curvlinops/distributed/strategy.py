@@ -27,6 +27,7 @@ from singd_curvlinops.collector import PendingStatistics
 from singd_curvlinops.distributed import collectives, raw_gram
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
+    StepCheck,
     check_same_configuration,
     world_size,
 )
@@ -50,7 +51,7 @@ class DistributionStrategy:
 
     The base class does all work on every rank (`Replicate`); subclasses
     override the hooks they change: `projection` (what the statistics hooks
-    compute), `check_holds`, `_configure` (on new layers or options), `_check_step`,
+    compute), `check_holds`, `_configure` (on new layers or options), `_check`,
     `step`, `full_state` and `loaded` (checkpoints). One process without a process
     group always works alone, whatever the strategy. A strategy object belongs to
     one optimizer (`resolve` copies it).
@@ -58,6 +59,7 @@ class DistributionStrategy:
 
     rows: str | None = None  # statistics kept as rows (`gram_rows`): see `Shard`
     options: tuple[str, ...] = ()  # the optimizer's option names (`resolve`)
+    checks_steps = False  # whether `_check` checks the options at every step
 
     def __init__(self) -> None:
         self._verified = ""
@@ -116,13 +118,12 @@ class DistributionStrategy:
         if world_size() == 1:
             return
         description = f"{describe_layers(layers, groups, rule)}|{self!r}"
+        described = describe_options(groups, self.options)
+        check = self._check(layers, state, description, described)
         if description != self._verified:
-            check_same_configuration(description, layers[0].weight.device)
             self._configure(layers, groups, state, rule)
             self.buffers.clear()  # (kept per layer: none for layers now gone)
             self._verified = description
-        described = describe_options(groups, self.options)
-        checked = self._check_step(layers, state, described)
 
         def zeros(layer: Layer) -> tuple[StructuredMatrix, StructuredMatrix]:
             group = layer.options(groups[layer.group_index])
@@ -138,7 +139,8 @@ class DistributionStrategy:
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
             keep_rows=self.rows == "raw",
-            options=None if checked else described,
+            options=None if self.checks_steps else described,
+            check=check,
             buffers=self.buffers,
         )(pending, due)
 
@@ -164,24 +166,30 @@ class DistributionStrategy:
             rule: The factor rule.
         """
 
-    def _check_step(
+    def _check(
         self,
         layers: Sequence[Layer],
         state: State,
+        description: str,
         options: str,
-    ) -> bool:
-        """Check the ranks' step counts and options (strategies that need it).
+    ) -> StepCheck | None:
+        """Check the ranks' configuration where it changed (`collectives`).
 
         Args:
             layers: The layers.
             state: The state.
+            description: This rank's configuration (layers, structures,
+                options, strategy).
             options: This rank's options (`exchange.describe_options`).
 
         Returns:
-            Whether it checked the options (else the statistics all-reduce of
-            the factor updates does).
+            The check that rides in this step's first collective (None here:
+            the statistics all-reduce of the factor updates compares the
+            options; `Shard` checks its steps).
         """
-        return False
+        if description != self._verified:
+            check_same_configuration(description, layers[0].weight.device)
+        return None
 
     def step(self, stepper: Any, layers: Sequence[Layer]) -> None:
         """Update factors and parameters of every layer.

@@ -220,11 +220,11 @@ class Shard(DistributionStrategy):
         """Check the ranks' step counts, options and configuration at every step.
 
         At the first step every strategy's configuration check comes first.
-        Then the numbers ride in this step's first all-reduce, as long as the
-        ranks' agreed configuration makes it (`StepCheck`); where this rank's
-        configuration changed since, they are checked at once, in an
-        all-reduce of the length agreed before, which meets the others' first
-        all-reduce whether or not their configuration changed alike.
+        The numbers then ride in this step's first all-reduce (`StepCheck`),
+        unless this rank's configuration changed since the ranks last agreed
+        on it: then they are checked at once, in an all-reduce of the length
+        agreed before, which meets the other ranks' first all-reduce whether or
+        not their configuration changed alike.
 
         Args:
             layers: The layers.
@@ -236,11 +236,8 @@ class Shard(DistributionStrategy):
             The check for the step's first collective (`StatisticsExchange`), or
             None where it was made here.
         """
-        device, agreed, world = (
-            layers[0].weight.device,
-            self._check_length,
-            world_size(),
-        )
+        device, world = layers[0].weight.device, world_size()
+        agreed = self._check_length  # (None before the first step)
         length = StepCheck.size(world) + summary_length(len(layers), world)
         if agreed is None:  # the optimizer's first step
             check_same_configuration(description, device)

@@ -10,7 +10,8 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
   holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's row-sharded
   layers.
 - `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
-  owner in one all-to-all.
+  owner in one all-to-all; `summary`: the all-reduce before it (counts,
+  traces, rows, and the step check at its head).
 - `communication`: the bytes each of them sends; `buffers`: the message
   buffers every strategy keeps between steps.
 - `collectives`: the checks that turn misuse into errors on every rank;

@@ -54,9 +54,10 @@ from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_row_shards
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
-from singd_curvlinops.distributed.owner_statistics import owner_ranks, summary_length
+from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.raw_gram import kept_structures
 from singd_curvlinops.distributed.shard import Shard
+from singd_curvlinops.distributed.summary import summary_length
 
 
 def bytes_per_update(

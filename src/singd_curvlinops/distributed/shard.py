@@ -32,12 +32,13 @@ from singd_curvlinops.distributed.collectives import (
 )
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import is_sharded
-from singd_curvlinops.distributed.owner_statistics import owner_ranks, summary_length
+from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.strategy import (
     DistributionStrategy,
     Projection,
     State,
 )
+from singd_curvlinops.distributed.summary import summary_length
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 

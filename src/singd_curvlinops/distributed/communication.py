@@ -133,18 +133,18 @@ def _to_owners(optimizer: Any, world: int) -> bool:
         world: The number of ranks.
 
     Returns:
-        Under `Shard`, unless the rule keeps per-example rows or (owned factors)
-        a layer is split by column blocks (`owner_statistics.owner_ranks`).
+        Under `Shard`, where `owner_statistics.owner_ranks` names the owners
+        (as the exchange decides: not for per-example rows, nor with a layer
+        split by column blocks).
     """
     strategy = optimizer.distribution
-    if not isinstance(strategy, Shard) or optimizer.rule.per_example:
+    if not isinstance(strategy, Shard):
         return False
-    if strategy.factors == "replicated":
-        return True
-    plan = strategy.assignments(
-        list(optimizer.layers), optimizer.param_groups, optimizer.rule, world
-    )
-    return not any(assignment.columns for assignment in plan.values())
+    layers, rule = list(optimizer.layers), optimizer.rule
+    plan = strategy.assignments(layers, optimizer.param_groups, rule, world)
+    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
+    owned = strategy.factors == "owned"
+    return owner_ranks(plan, keys, rule, owned=owned) is not None
 
 
 def bytes_per_step(
@@ -210,13 +210,14 @@ def bytes_per_step(
     keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
     # the step guard's all-reduce (FSDP2 only): inputs, sides, layers, fallback
     verdicts = 0 if shared else 1 + (2 * update + 1) * len(layers) + len(fallback)
+    to_owners = _to_owners(optimizer, world)
     if update:  # the agreement on what the owners formed (`formed_statistics`)
         if strategy.factors == "owned":
             verdicts += len(split) < len(layers)
-        elif owner_ranks(plan, keys, rule, owned=False) is not None:
+        elif to_owners:
             verdicts += len(keys)  # per due layer and transposed twin (tied weights)
     check = StepCheck.size(world)  # (`StepCheck`: alone, padded to the summary's)
-    if not (update and _to_owners(optimizer, world)):
+    if not (update and to_owners):
         check += summary_length(len(keys), world)
     return {
         "statistics": statistics,

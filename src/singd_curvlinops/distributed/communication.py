@@ -98,8 +98,8 @@ def bytes_per_update(
     dense = isinstance(strategy, Shard) and strategy.factors == "owned"
     to_owners = _to_owners(optimizer, world)
     wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
-    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
-    for layer in keys:  # (a transposed twin's statistics travel as its own)
+    # (a transposed twin's statistics travel as its own)
+    for layer in _with_twins(layers):
         group = layer.options(optimizer.param_groups[layer.group_index])
         structures = group["structures"]
         if dense:  # raw statistics: rows, or in a side's kept structure
@@ -125,12 +125,27 @@ def bytes_per_update(
     return total
 
 
-def _to_owners(optimizer: Any, world: int) -> bool:
+def _with_twins(layers: list) -> list:
+    """Return the layers and their transposed twins (tied weights), as stepped.
+
+    Args:
+        layers: The optimizer's layers.
+
+    Returns:
+        Each layer, followed by its twin if it has one: the keys whose
+        statistics travel (`KroneckerOptimizer.step`).
+    """
+    return [k for layer in layers for k in (layer, layer.twin) if k is not None]
+
+
+def _to_owners(optimizer: Any, world: int, plan: dict | None = None) -> bool:
     """Return whether an update step reduces the statistics to their owners.
 
     Args:
         optimizer: The optimizer.
         world: The number of ranks.
+        plan: The strategy's assignments for `world` ranks, if the caller has
+            them (else computed here).
 
     Returns:
         Under `Shard`, where `owner_statistics.owner_ranks` names the owners
@@ -141,10 +156,10 @@ def _to_owners(optimizer: Any, world: int) -> bool:
     if not isinstance(strategy, Shard):
         return False
     layers, rule = list(optimizer.layers), optimizer.rule
-    plan = strategy.assignments(layers, optimizer.param_groups, rule, world)
-    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
+    if plan is None:
+        plan = strategy.assignments(layers, optimizer.param_groups, rule, world)
     owned = strategy.factors == "owned"
-    return owner_ranks(plan, keys, rule, owned=owned) is not None
+    return owner_ranks(plan, _with_twins(layers), rule, owned=owned) is not None
 
 
 def bytes_per_step(
@@ -207,10 +222,10 @@ def bytes_per_step(
         relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize
         if plan[layer].helper is not None:  # the factor shipped to the helper
             relay += layer.dims[1 - plan[layer].anchor] ** 2 * itemsize
-    keys = [k for layer in layers for k in (layer, layer.twin) if k is not None]
+    keys = _with_twins(layers)
     # the step guard's all-reduce (FSDP2 only): inputs, sides, layers, fallback
     verdicts = 0 if shared else 1 + (2 * update + 1) * len(layers) + len(fallback)
-    to_owners = _to_owners(optimizer, world)
+    to_owners = _to_owners(optimizer, world, plan)
     if update:  # the agreement on what the owners formed (`formed_statistics`)
         if strategy.factors == "owned":
             verdicts += len(split) < len(layers)

@@ -265,6 +265,21 @@ class StepCheck:
         values[2 * processes + me] = fingerprint(self.options)
         return values.to(self.device)
 
+    def message(self, *parts: Tensor) -> Tensor:
+        """Return an all-reduce's buffer: the slots, `parts`, zeros to `length`.
+
+        Args:
+            parts: Flat float64 tensors that ride behind the slots (none: the
+                check alone).
+
+        Returns:
+            A float64 tensor of `length` numbers.
+        """
+        head = self.slots()
+        carried = sum(part.numel() for part in parts)
+        tail = head.new_zeros(self.length - len(head) - carried)
+        return torch.cat([head, *parts, tail])
+
     def verify(self, summed: Sequence[float]) -> None:
         """Raise on every rank unless all ranks' numbers agree.
 
@@ -297,8 +312,7 @@ class StepCheck:
 
         `verify` raises where the ranks disagree.
         """
-        buffer = torch.zeros(self.length, dtype=torch.float64, device=self.device)
-        buffer[: self.size(world_size())] = self.slots()
+        buffer = self.message()
         with named_collective("The step check of a sharded optimizer"):
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
         self.verify(buffer[: self.size(world_size())].tolist())

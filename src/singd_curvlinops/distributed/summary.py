@@ -133,17 +133,15 @@ def agree_on_layout(
     flat += [n for pair in dense for n in pair]
     numbers = torch.tensor(flat, dtype=torch.float64, device=device)
     parts = [torch.stack(summary), numbers]
-    if check is not None:  # (the slots first, zeros last: see `StepCheck`)
-        head = check.slots()
-        tail = check.length - len(head) - summary_length(layers, processes)
-        parts = [head, *parts, head.new_zeros(tail)]
-    buffer = torch.cat(parts)
+    # (the step check's slots first, zeros last: see `StepCheck`)
+    buffer = torch.cat(parts) if check is None else check.message(*parts)
     with named_collective("The statistics summary of the optimizer's step"):
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     values = buffer.tolist()  # one synchronisation
     if check is not None:
-        check.verify(values[: len(head)])
-        values = values[len(head) :]
+        head = StepCheck.size(processes)
+        check.verify(values[:head])
+        values = values[head:]
     combined = [values[4 * i : 4 * i + 4] for i in range(layers)]
     table = values[4 * layers : 4 * layers + 2 * layers * processes]
     held_densely = values[4 * layers + 2 * layers * processes :]

@@ -6,12 +6,18 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from singd_curvlinops.structures._aligned import matmul_into_aligned_rows
 from singd_curvlinops.structures._linalg import solve_dense
 from singd_curvlinops.structures.base import Scalar, StructuredMatrix
 
 
 class DenseMatrix(StructuredMatrix):
     r"""An unstructured \(d \times d\) matrix; its projection \(\Pi\) is the identity.
+
+    Products of two dense matrices (`K @ L`, \(K^\top K\) in `from_inner()`)
+    are, in float32 on the CPU and from \(d = 512\) on, views of rows padded to
+    64 bytes, which MKL writes up to a quarter faster
+    (`structures._aligned`); their entries are those of the contiguous product.
 
     Args:
         mat: The matrix, shape `[d, d]`. Stored as given (no copy).
@@ -81,7 +87,7 @@ class DenseMatrix(StructuredMatrix):
 
     @override
     def _matmul_structure(self, other: DenseMatrix) -> DenseMatrix:
-        return DenseMatrix(self.mat @ other.mat)
+        return DenseMatrix(matmul_into_aligned_rows(self.mat, other.mat))
 
     @override
     def _from_inner(self, X: Tensor) -> DenseMatrix:
@@ -93,7 +99,7 @@ class DenseMatrix(StructuredMatrix):
 
     @override
     def _from_inner_identity(self) -> DenseMatrix:
-        return DenseMatrix(self.mat.T @ self.mat)
+        return DenseMatrix(matmul_into_aligned_rows(self.mat.T, self.mat))
 
     @override
     def outer_self(self) -> DenseMatrix:

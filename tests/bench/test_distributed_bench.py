@@ -1,11 +1,17 @@
 """`bench --distributed`: the command line and what it reports (one process)."""
 
+import statistics
+
 import pytest
 import torch
 from torch import nn
 
 from singd_curvlinops import SINGD
-from singd_curvlinops.bench.distributed import factor_bytes
+from singd_curvlinops.bench.distributed import (
+    _add_ratios,
+    factor_bytes,
+    markdown_table,
+)
 from singd_curvlinops.cli import main
 
 
@@ -33,3 +39,48 @@ def test_factor_bytes_count_the_factors_and_momenta_only():
     optimizer = SINGD(model, structures=("dense", "diagonal"), momentum=0.9)
     entries = (4 * 4 + 4) + (5 * 5 + 2)  # K dense, C diagonal, per layer
     assert factor_bytes(optimizer) == 2 * entries * 4  # and their momenta, float32
+
+
+def _record(strategy: str, blocks: list[float]) -> dict:
+    """A record of `measure_distributed` with the fields the ratios read."""
+    return {
+        "model": "mlp",
+        "structure": "dense",
+        "T": 1,
+        "strategy": strategy,
+        "ms_per_step": statistics.median(blocks),
+        "block_ms_per_step": blocks,
+        "factor_mib": 2.0 if strategy == "replicate" else 1.0,
+    }
+
+
+def test_paired_ratio_is_robust_to_drift_between_rounds():
+    """A machine that slows down between rounds moves the medians, not the pairs."""
+    replicate = _record("replicate", [100.0, 200.0, 300.0])
+    shard = _record("shard", [60.0, 130.0, 180.0])  # 0.6, 0.65, 0.6 per round
+    other = _record("replicate", [10.0])
+    other["model"] = "cnn"
+    records = [replicate, shard, other]
+    _add_ratios(records)
+    assert shard["vs_replicate"] == pytest.approx(130.0 / 200.0)
+    assert shard["vs_replicate_paired"] == pytest.approx(0.6)
+    assert shard["factor_vs_replicate"] == 0.5
+    assert replicate["vs_replicate"] == replicate["vs_replicate_paired"] == 1.0
+    assert other["vs_replicate_paired"] == 1.0  # its own workload's reference
+    row = _table_row(records, "| mlp | 1 | shard |")
+    assert "| 0.65× | 0.60× |" in row
+
+
+def _table_row(records: list[dict], start: str) -> str:
+    """Return the row of `markdown_table` that starts with `start`."""
+    for record in records:
+        record.update(
+            update_bytes={"statistics": 0, "gather": 0, "relay": 0},
+            plain_bytes={"gather": 0},
+            mib_per_step=0.0,
+        )
+    rows = [
+        line for line in markdown_table(records).splitlines() if line.startswith(start)
+    ]
+    assert len(rows) == 1
+    return rows[0]

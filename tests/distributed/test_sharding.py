@@ -323,6 +323,8 @@ def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> No
     assert [r["strategy"] for r in records] == list(STRATEGIES)
     replicate, shard, factors, owned = records
     assert replicate["vs_replicate"] == 1.0 and replicate["factor_vs_replicate"] == 1.0
+    assert replicate["vs_replicate_paired"] == 1.0
+    assert shard["vs_replicate_paired"] == pytest.approx(shard["vs_replicate"])
     assert all(
         r["ms_per_step"] > 0 and len(r["block_ms_per_step"]) == 1 for r in records
     )

@@ -261,7 +261,13 @@ def _record(
 
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:
-    """Add `vs_replicate` (time) and `factor_vs_replicate` (state) in place.
+    """Add the ratios to `Replicate`'s record of the same workload, in place.
+
+    `vs_replicate` divides the medians; `vs_replicate_paired` is the median over
+    the rounds of the block's time divided by `Replicate`'s block of the same
+    round, which the machine's drift between rounds does not move (a round times
+    every setting within seconds); `factor_vs_replicate` divides the factor
+    state.
 
     Args:
         records: Records of `measure_distributed`.
@@ -270,9 +276,18 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
     base = {key(r): r for r in records if r["strategy"] == "replicate"}
     for record in records:
         reference = base.get(key(record))
-        record["vs_replicate"] = record["factor_vs_replicate"] = None
+        record["vs_replicate"] = record["vs_replicate_paired"] = None
+        record["factor_vs_replicate"] = None
         if reference is not None:
             record["vs_replicate"] = record["ms_per_step"] / reference["ms_per_step"]
+            record["vs_replicate_paired"] = statistics.median(
+                mine / theirs
+                for mine, theirs in zip(
+                    record["block_ms_per_step"],
+                    reference["block_ms_per_step"],
+                    strict=True,
+                )
+            )
             record["factor_vs_replicate"] = (
                 record["factor_mib"] / reference["factor_mib"]
             )
@@ -285,6 +300,7 @@ _HEADER = (
     "ms/step",
     "spread",
     "× replicate",
+    "paired",
     "factor state/rank MiB",
     "× replicate",
     "statistics MiB/update",
@@ -303,7 +319,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     Returns:
         The table: one row per setting.
     """
-    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 9 + "|"]
+    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 10 + "|"]
     for r in records:
         times = r["block_ms_per_step"]
         update, plain = r["update_bytes"], r["plain_bytes"]
@@ -314,6 +330,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             f"{r['ms_per_step']:.1f}",
             f"{min(times):.0f}–{max(times):.0f}",
             _ratio(r["vs_replicate"]),
+            _ratio(r["vs_replicate_paired"]),
             f"{r['factor_mib']:.2f}",
             _ratio(r["factor_vs_replicate"]),
             f"{update['statistics'] / MIB:.2f}",
@@ -386,7 +403,9 @@ def preamble(args: Any) -> str:
         "DistributedDataParallel, each process on its share of the batch; median "
         f"(and fastest–slowest) of {args.rounds} blocks of {args.steps_per_block} "
         f"steps of the slowest process, {args.warmup} warm-up steps, all settings "
-        "interleaved. `factor state/rank`: the rule's entries (factors, momenta) "
+        "interleaved. `× replicate`: the ratio of the medians; `paired`: the "
+        "median over the rounds of the ratio to replicate's block of the same "
+        "round. `factor state/rank`: the rule's entries (factors, momenta) "
         "of the process that holds the most; `statistics`: the statistics "
         "exchange of an update step (an all-reduce under replicate; under shard "
         "each side's statistics sent to its owner in one all-to-all); `gathered`: the "

@@ -84,8 +84,41 @@ def _helped_loads(costs: list[LayerCost], plan: list[Assignment], world: int) ->
             loads[owner] += cost.whole
             continue
         loads[owner] += cost.whole - cost.build[b] - cost.apply[b]
-        loads[assignment.helper] += 2 * cost.apply[b]  # uncached: two products
+        loads[assignment.helper] += cost.helped[b]
     return loads
+
+
+def _most_state(plan: list[Assignment], world: int) -> int:
+    """The largest number of the MLP's factor entries that one rank keeps."""
+    kept = [0] * world
+    for (d_K, d_C), assignment in zip(MLP, plan, strict=True):
+        kept[assignment.owners[0]] += d_K**2
+        kept[assignment.owners[1]] += d_C**2
+    return max(kept)
+
+
+def test_a_helper_forms_the_product_of_the_smaller_side_once() -> None:
+    d_K, d_C = MLP[0]  # 785 > 512: C is the smaller side
+    for T in (1, 10):
+        cost = layer_cost(("dense", "dense"), (d_K, d_C), T, True)
+        assert cost.helped == (2 * d_K * d_K * d_C, d_C**3 + d_C * d_C * d_K)
+        assert cost.helped[1] < 2 * d_C * d_C * d_K  # less than two products
+    diagonal = layer_cost(("diagonal", "dense"), (d_K, d_C), 1, True)
+    assert diagonal.helped[0] == d_K + d_K * d_C  # sparse: formed at any size
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_helper_that_would_pile_up_factor_state_is_passed_over(world: int) -> None:
+    costs = _mlp(10)
+    entries = [(d_K**2, d_C**2) for d_K, d_C in MLP]
+    unguarded = assign(costs, world, helpers=True)
+    guarded = assign(costs, world, entries, helpers=True)
+    if world == 2:  # by time alone, two helped layers share one owner
+        assert sum(a.helper is not None for a in unguarded) == 2
+        assert _most_state(unguarded, world) > _most_state(guarded, world)
+    whole = assign(_mlp(10, splittable=False), world)
+    assert _most_state(guarded, world) <= _most_state(whole, world)
+    assert max(_helped_loads(costs, guarded, world)) <= max(_loads(costs, whole, world))
 
 
 @pytest.mark.parametrize("world", [2, 3])

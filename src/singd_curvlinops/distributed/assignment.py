@@ -38,11 +38,15 @@ layer that dominates the model is split.
 its owner, so a layer is split differently: the owner updates both sides and
 applies the anchor side; a *helper* rank applies the other side. The owner
 updates that side first and sends the factor to the helper, which applies it to
-\(\Gamma\) (two products: it keeps no cached product) and sends the half
-product back (`relay`). Only SINGD's dense sides are helped (their coupling
-traces are read before either side changes). Helpers are placed like split
-layers: the costliest helpable layers first, as long as that lowers the largest
-load.
+\(\Gamma\) and sends the half product back (`relay`). The helper keeps nothing:
+where one use pays for the side's product \(F F^\top\) (`caches_for_one_use`:
+the side is the layer's smaller one) it forms it in every step and applies it
+as one product, else it applies \(F (F^\top \cdot)\), two products. Only
+SINGD's dense sides are helped (their coupling traces are read before either
+side changes). Helpers are placed like split layers: the costliest helpable
+layers first, as long as that lowers the largest load, but a helper that would
+raise the largest factor state of a rank is passed over (the placement of the
+units moves with the helpers, and this form is there to divide the state).
 
 **Column blocks.** Under `Shard(factors="owned")` a layer whose dense \(K\) and
 \(m_K\) alone hold more than a rank's fair share of all factor entries cannot be
@@ -62,6 +66,7 @@ import torch
 
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, SINGDRule
+from singd_curvlinops.rules.singd import caches_for_one_use
 from singd_curvlinops.structures import get_structure
 
 
@@ -74,12 +79,16 @@ class LayerCost:
         build: Building the side's cached product, amortised.
         apply: Applying the side to the gradient matrix, every step.
         splittable: Whether the sides may be assigned to different ranks.
+        helped: A helper's application of the side, every step: it keeps
+            nothing, so it forms the side's product at every use where one use
+            pays for it (`caches_for_one_use`), else it applies two products.
     """
 
     update: tuple[float, float]
     build: tuple[float, float]
     apply: tuple[float, float]
     splittable: bool
+    helped: tuple[float, float] = (0.0, 0.0)
 
     @property
     def whole(self) -> float:
@@ -156,18 +165,20 @@ def layer_cost(
     entries = [stored_entries(s, d) for s, d in zip(structures, dims, strict=True)]
     products = [n * n / d for n, d in zip(entries, dims, strict=True)]
     others = (dims[1], dims[0])
-    cached = [
-        T > 1 or n < d * d or d < other
+    once = [
+        caches_for_one_use(n, d, other)
         for n, d, other in zip(entries, dims, others, strict=True)
     ]
+    cached = [T > 1 or c for c in once]
+    uses = [n * other for n, other in zip(entries, others, strict=True)]
     return LayerCost(
         update=(2 * products[0] / T, 2 * products[1] / T),
         build=tuple(p / T if c else 0.0 for p, c in zip(products, cached, strict=True)),
-        apply=tuple(
-            n * other * (1 if c else 2)
-            for n, other, c in zip(entries, others, cached, strict=True)
-        ),
+        apply=tuple(u * (1 if c else 2) for u, c in zip(uses, cached, strict=True)),
         splittable=splittable,
+        helped=tuple(
+            p + u if c else 2 * u for p, u, c in zip(products, uses, once, strict=True)
+        ),
     )
 
 
@@ -192,8 +203,9 @@ def assign(
     Args:
         costs: Per layer, in the same order on every rank.
         world_size: The number of ranks.
-        entries: Per layer, the stored entries of \(K\) and \(C\) (only
-            needed with `columns`).
+        entries: Per layer, the stored entries of \(K\) and \(C\) (needed
+            with `columns`; with `helpers`, a helper is only accepted if the
+            largest factor state of a rank does not grow).
         columns: Per layer, whether its \(K\) may be split by column blocks
             (`column_layers`); empty: none may.
         helpers: Whether the `splittable` layers get a helper (owned factors)
@@ -212,7 +224,12 @@ def assign(
     split_columns = column_layers(entries, columns, world_size) if columns else ()
     if split_columns:
         whole = [i for i in range(len(costs)) if i not in split_columns]
-        placed = assign([costs[i] for i in whole], world_size, helpers=helpers)
+        placed = assign(
+            [costs[i] for i in whole],
+            world_size,
+            [entries[i] for i in whole],
+            helpers=helpers,
+        )
         by_index = dict(zip(whole, placed, strict=True))
         return [
             by_index.get(i, Assignment((0, 0), columns=True)) for i in range(len(costs))
@@ -227,8 +244,31 @@ def assign(
         trial = _schedule(costs, world_size, split | {index}, helpers)
         if not trial.makespan < best.makespan:
             break
+        if (
+            helpers
+            and entries
+            and _most_state(trial, entries) > _most_state(best, entries)
+        ):
+            continue  # (the memory-saving form keeps its factor state balanced)
         split, best = split | {index}, trial
     return list(best.assignments)
+
+
+def _most_state(schedule: _Schedule, entries: Sequence[tuple[int, int]]) -> int:
+    r"""Return the largest number of factor entries that one rank keeps.
+
+    Args:
+        schedule: A placement.
+        entries: Per layer, the stored entries of \(K\) and \(C\).
+
+    Returns:
+        The maximum over the ranks of the entries of the sides they own.
+    """
+    kept: dict[int, int] = {}
+    for assignment, sides in zip(schedule.assignments, entries, strict=True):
+        for owner, n in zip(assignment.owners, sides, strict=True):
+            kept[owner] = kept.get(owner, 0) + n
+    return max(kept.values(), default=0)
 
 
 def _schedule(
@@ -252,10 +292,9 @@ def _schedule(
     units = []  # (cost, layer, side or -1 for the whole layer)
     for index, cost in enumerate(costs):
         a, b = cost.anchor, 1 - cost.anchor
-        if index in split and helpers:  # uncached: two products on the helper
-            helped = cost.apply[b] * (2 if cost.build[b] else 1)
+        if index in split and helpers:  # the helper keeps no cached product
             units.append((cost.whole - cost.build[b] - cost.apply[b], index, a))
-            units.append((helped, index, b))
+            units.append((cost.helped[b], index, b))
         elif index in split:
             for side in (a, b):
                 work = cost.update[side] + cost.build[side] + cost.apply[side]

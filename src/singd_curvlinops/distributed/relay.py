@@ -49,6 +49,7 @@ from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.base import FactorStatistics
 from singd_curvlinops.rules.factors import load_factor
+from singd_curvlinops.rules.singd import caches_for_one_use
 from singd_curvlinops.structures import DenseMatrix
 from singd_curvlinops.update import precondition_input_side, precondition_output_side
 
@@ -254,8 +255,11 @@ class Relay:
     def help(self, layer: Layer) -> None:
         r"""Apply a shipped factor to a helped layer's gradient; send it back.
 
-        SINGD's side \(F F^\top\) is applied as \(F (F^\top \cdot)\) (the
-        helper keeps no cached product). Does nothing unless this rank helps.
+        SINGD's side \(F F^\top\) is applied as one product with \(F F^\top\)
+        formed here where one use pays for it (`caches_for_one_use`: the side
+        is the layer's smaller one, as the benchmark MLP's first layer's
+        \(C\)), as one process applies it; else as \(F (F^\top \cdot)\). The
+        helper keeps neither. Does nothing unless this rank helps.
 
         Args:
             layer: A layer of the step.
@@ -272,8 +276,13 @@ class Relay:
         shipped = DenseMatrix(factor.view(dim, dim).to(dtype))
         grad = self.stepper.gradient(layer)
         if grad is not None:
+            product = (
+                shipped.outer_self()
+                if caches_for_one_use(dim * dim, dim, layer.dims[1 - side])
+                else None
+            )
             apply = (precondition_input_side, precondition_output_side)[side]
-            grad = apply(grad, shipped, None, overwrite=True)
+            grad = apply(grad, shipped, product, overwrite=True)
         self._send(layer, grad)
 
     def _send(self, layer: Layer, half: Tensor | None) -> None:

@@ -235,7 +235,7 @@ class SINGDRule(FactorRule):
         reuse = group["T"] > 1
         KKt, CCt = (
             M.outer_self()
-            if side in sides and (reuse or M.numel() < M.dim**2 or M.dim < n)
+            if side in sides and (reuse or caches_for_one_use(M.numel(), M.dim, n))
             else None
             for side, M, n in ((0, K, C.dim), (1, C, K.dim))
         )
@@ -284,3 +284,24 @@ def _symmetric(mat: Tensor) -> Tensor:
         `(mat + mat.T) / 2`.
     """
     return (mat + mat.T) / 2
+
+
+def caches_for_one_use(entries: int, dim: int, other: int) -> bool:
+    r"""Return whether a side's product \(F F^\top\) pays for itself at one use.
+
+    Forming it costs one product of two factors, and then one product with the
+    gradient matrix instead of two: this pays off for a sparse structure
+    (fewer than \(d^2\) entries) or the layer's smaller side (\(d < m\)).
+    `SINGDRule.preconditioner` caches on this condition or if the product
+    serves several steps (`T > 1`); a helper under `Shard(factors="owned")`
+    (`distributed.relay`), which keeps nothing between steps, on this one alone.
+
+    Args:
+        entries: The number of entries the side's structure stores.
+        dim: The side's dimension \(d\).
+        other: The other side's dimension \(m\).
+
+    Returns:
+        Whether forming the product is cheaper than applying the factor twice.
+    """
+    return entries < dim * dim or dim < other

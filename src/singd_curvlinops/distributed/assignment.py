@@ -88,7 +88,7 @@ class LayerCost:
     build: tuple[float, float]
     apply: tuple[float, float]
     splittable: bool
-    helped: tuple[float, float] = (0.0, 0.0)
+    helped: tuple[float, float]
 
     @property
     def whole(self) -> float:

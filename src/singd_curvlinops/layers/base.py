@@ -29,6 +29,7 @@ handles itself. The defaults describe one slot, named `""`, applied once per cal
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -186,8 +187,9 @@ class LayerAdapter(ABC):
         Returns:
             `d_K = d_in (+1 with bias)` and `d_C = d_out`.
         """
-        weight = self.weight(module)
-        return weight[0].numel() + int(self.bias(module) is not None), weight.shape[0]
+        weight = self.weight(module)  # (from its shape: no op on an FSDP2 DTensor)
+        d_in = math.prod(weight.shape[1:])
+        return d_in + int(self.bias(module) is not None), weight.shape[0]
 
     def to_matrix(
         self, tensors: Sequence[Tensor], params: tuple[Parameter, ...]
@@ -229,7 +231,7 @@ class LayerAdapter(ABC):
             layout allows.
         """
         weight, extra = params[0], matrix.shape[2:]
-        d_in = weight[0].numel()
+        d_in = math.prod(weight.shape[1:])
         slices = [matrix[:, :d_in].reshape(*weight.shape, *extra)]
         if len(params) == 2:
             slices.append(matrix[:, d_in].reshape(*params[1].shape, *extra))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from torch import nn
-from torch._dynamo.utils import counters
+from torch import fx, nn
 
 from singd_curvlinops import SINGD
 
@@ -22,9 +23,41 @@ def model() -> nn.Module:
     ).double()
 
 
-def train(net: nn.Module, compiled: bool, steps: int, **config) -> SINGD:
+def torch_version(version: str) -> tuple[int, int]:
+    """Return `(major, minor)` of a version string such as `"2.12.1+cpu"`."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+# Before PyTorch 2.12, Dynamo compiles no graph of a model whose forward hooks
+# are `torch.compiler.disable`d (the guide's `torch.compile` page says so).
+COMPILES_AROUND_HOOKS = torch_version(torch.__version__) >= (2, 12)
+
+
+class GraphCount:
+    """A `torch.compile` backend that counts the graphs Dynamo hands it.
+
+    It runs each graph as traced. Counting here, rather than through Dynamo's
+    internal counters, keeps the test meaningful on every supported PyTorch.
+    """
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        return graph.forward
+
+
+def train(
+    net: nn.Module,
+    compiled: bool,
+    steps: int,
+    backend: str | Callable = "inductor",
+    **config,
+) -> SINGD:
     optimizer = SINGD(net, lr=0.1, lr_cov=0.1, alpha1=0.5, **config)
-    forward = torch.compile(net) if compiled else net
+    forward = torch.compile(net, backend=backend) if compiled else net
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         X = torch.randn(8, 2, 8, 8, generator=generator, dtype=torch.float64)
@@ -76,19 +109,24 @@ def test_compiled_model_follows_the_eager_trajectory(config: dict) -> None:
 
 def test_hooks_do_not_recompile_the_model_per_step() -> None:
     torch._dynamo.reset()
-    counters.clear()
+    count = GraphCount()
     net = model()
-    optimizer = train(net, compiled=True, steps=3, structures=("dense", "dense"), T=3)
-    graphs_after_first_period = counters["stats"]["unique_graphs"]
-    assert graphs_after_first_period > 0
+    optimizer = train(
+        net, True, steps=3, backend=count, structures=("dense", "dense"), T=3
+    )
+    graphs_after_first_period = count.graphs
+    if COMPILES_AROUND_HOOKS:
+        assert graphs_after_first_period > 0
+    else:  # the guide's limitation: the hooked model runs eagerly
+        assert graphs_after_first_period == 0
 
-    forward = torch.compile(net)
+    forward = torch.compile(net, backend=count)
     X = torch.randn(8, 2, 8, 8, dtype=torch.float64)
     for _ in range(6):
         optimizer.zero_grad()
         forward(X).square().sum().backward()
         optimizer.step()
-    assert counters["stats"]["unique_graphs"] == graphs_after_first_period
+    assert count.graphs == graphs_after_first_period
 
 
 def test_fullgraph_compilation_reports_the_hook_graph_break() -> None:
@@ -97,7 +135,8 @@ def test_fullgraph_compilation_reports_the_hook_graph_break() -> None:
     optimizer = SINGD(net)  # held: a dropped optimizer takes its hooks off
     compiled = torch.compile(net, fullgraph=True)
     x = torch.randn(2, 2, 8, 8, dtype=torch.float64)
-    with pytest.raises(Exception, match="torch.compiler.disable"):
+    # (every PyTorch names the hook; the wording around it changes by version)
+    with pytest.raises(Exception, match=r"ModuleHook\.__call__"):
         compiled(x)
     optimizer.remove_hooks()  # without the hooks the model is one graph
     torch._dynamo.reset()

@@ -283,6 +283,43 @@ def test_resume_without_optimizer_state_differs(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("structure", ["dense", "triltoeplitz"])
+def test_deep_copied_state_starts_an_independent_optimizer(structure: str) -> None:
+    """The guide's in-memory recipe: a second optimizer from a deep copy.
+
+    Without the copy the second optimizer keeps the first one's tensors (as
+    `torch.optim` does when device and dtype match), which the test shows too, so
+    that the guide's warning stays true.
+    """
+    data, k = batches(6), 3
+    options = {"structures": (structure, structure), "T": 2}
+    model, opt = setup(**options)
+    train(model, opt, data)
+    first_model, first_opt = setup(**options)
+    train(first_model, first_opt, data[:k])
+    second_model, second_opt = setup(seed=5, **options)
+    second_model.load_state_dict(first_model.state_dict())
+    second_opt.load_state_dict(copy.deepcopy(first_opt.state_dict()))
+    train(first_model, first_opt, data[k:])
+    train(second_model, second_opt, data[k:])
+    assert_same_run(model, opt, first_model, first_opt)
+    assert_same_run(model, opt, second_model, second_opt)
+
+    shared_model, shared_opt = setup(seed=5, **options)
+    shared_model.load_state_dict(first_model.state_dict())
+    shared_opt.load_state_dict(first_opt.state_dict())
+    first_weight, shared_weight = first_model[0].weight, shared_model[0].weight
+    shared = shared_opt.state[shared_weight]
+    tensors = {
+        k: v for k, v in first_opt.state[first_weight].items() if torch.is_tensor(v)
+    }
+    assert {"momentum_buffer", "K.mat" if structure == "dense" else "K.diags"} <= set(
+        tensors
+    )
+    for key, value in tensors.items():  # factors and momenta alike
+        assert shared[key].data_ptr() == value.data_ptr(), key
+
+
 # ------------------------------------------------------ 3. mismatched states
 @pytest.mark.parametrize(
     ("source", "match"),

@@ -310,12 +310,10 @@ def test_deep_copied_state_starts_an_independent_optimizer(structure: str) -> No
     shared_opt.load_state_dict(first_opt.state_dict())
     first_weight, shared_weight = first_model[0].weight, shared_model[0].weight
     shared = shared_opt.state[shared_weight]
-    tensors = {
-        k: v for k, v in first_opt.state[first_weight].items() if torch.is_tensor(v)
-    }
-    assert {"momentum_buffer", "K.mat" if structure == "dense" else "K.diags"} <= set(
-        tensors
-    )
+    state = first_opt.state[first_weight]
+    tensors = {key: value for key, value in state.items() if torch.is_tensor(value)}
+    factor = "K.mat" if structure == "dense" else "K.diags"
+    assert {"momentum_buffer", factor} <= set(tensors)
     for key, value in tensors.items():  # factors and momenta alike
         assert shared[key].data_ptr() == value.data_ptr(), key
 

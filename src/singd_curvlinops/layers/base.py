@@ -29,7 +29,6 @@ handles itself. The defaults describe one slot, named `""`, applied once per cal
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -188,7 +187,7 @@ class LayerAdapter(ABC):
             `d_K = d_in (+1 with bias)` and `d_C = d_out`.
         """
         weight = self.weight(module)  # (from its shape: no op on an FSDP2 DTensor)
-        d_in = math.prod(weight.shape[1:])
+        d_in = weight.shape[1:].numel()
         return d_in + int(self.bias(module) is not None), weight.shape[0]
 
     def to_matrix(
@@ -231,7 +230,7 @@ class LayerAdapter(ABC):
             layout allows.
         """
         weight, extra = params[0], matrix.shape[2:]
-        d_in = math.prod(weight.shape[1:])
+        d_in = weight.shape[1:].numel()
         slices = [matrix[:, :d_in].reshape(*weight.shape, *extra)]
         if len(params) == 2:
             slices.append(matrix[:, d_in].reshape(*params[1].shape, *extra))

@@ -23,15 +23,9 @@ def model() -> nn.Module:
     ).double()
 
 
-def torch_version(version: str) -> tuple[int, int]:
-    """Return `(major, minor)` of a version string such as `"2.12.1+cpu"`."""
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
-
-
 # Before PyTorch 2.12, Dynamo compiles no graph of a model whose forward hooks
 # are `torch.compiler.disable`d (the guide's `torch.compile` page says so).
-COMPILES_AROUND_HOOKS = torch_version(torch.__version__) >= (2, 12)
+COMPILES_AROUND_HOOKS = torch.__version__ >= (2, 12)  # (a TorchVersion)
 
 
 class GraphCount:

@@ -171,7 +171,12 @@ def unscale_(grad: Tensor, grad_scale: Tensor) -> Tensor:
     The division runs in the wider of the gradient's dtype and float32 and is
     rounded once into the gradient's dtype: the scale itself need not fit the
     gradient's dtype (the scaler's default `2**16` overflows float16 to `inf`,
-    which would silently turn every gradient into zeros).
+    which would silently turn every gradient into zeros). A low-precision
+    gradient is widened explicitly: dividing it in place by the scale, a
+    zero-dimensional float32 tensor, computes in the gradient's dtype on CUDA
+    (type promotion ignores the zero-dimensional operand's dtype), which made
+    every float16 step a zero step on a GPU before 2026-12-04 (on the CPU the
+    same division happened to be exact).
 
     Args:
         grad: The scaled gradient (overwritten).
@@ -181,7 +186,10 @@ def unscale_(grad: Tensor, grad_scale: Tensor) -> Tensor:
         `grad`, unscaled.
     """
     wide = torch.promote_types(grad.dtype, torch.float32)
-    return grad.div_(grad_scale.to(device=grad.device, dtype=wide))
+    scale = grad_scale.to(device=grad.device, dtype=wide)
+    if grad.dtype == wide:
+        return grad.div_(scale)
+    return grad.copy_(grad.to(wide).div_(scale))
 
 
 def step_fallback(

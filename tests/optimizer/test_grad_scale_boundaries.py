@@ -9,6 +9,11 @@
 - A run that continues without its scaler (AMP switched off, or resumed in full
   precision) takes its statistics as unscaled: it continues exactly as a run
   that never had a scaler.
+
+The float16 tests also run on a GPU where there is one: on CUDA, dividing a
+float16 gradient in place by the scaler's zero-dimensional float32 scale
+computes in float16 (`2**16` becomes `inf`), which made every step a zero step
+there until 2026-12-04 while the same division on the CPU was exact.
 """
 
 from __future__ import annotations
@@ -24,29 +29,32 @@ from singd_curvlinops import EKFAC, KFAC, SINGD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTIMIZERS = {"SINGD": SINGD, "KFAC": KFAC, "EKFAC": EKFAC}
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def _data(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _data(dtype: torch.dtype, device: str = "cpu") -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(1)
     X = torch.randn(32, 6, generator=generator)
-    return X.to(dtype), torch.randint(0, 3, (32,), generator=generator)
+    y = torch.randint(0, 3, (32,), generator=generator)
+    return X.to(device, dtype), y.to(device)
 
 
-def _model(dtype: torch.dtype) -> nn.Sequential:
+def _model(dtype: torch.dtype, device: str = "cpu") -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    layers = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return layers.to(device, dtype)
 
 
 def _scaled_run(
-    cls: type, init_scale: float, steps: int = 5
+    cls: type, init_scale: float, device: str, steps: int = 5
 ) -> tuple[list[Tensor], list[float], int]:
     """float16 model, float32 factors, one `GradScaler` at `init_scale`."""
-    model = _model(torch.float16)
+    model = _model(torch.float16, device)
     optimizer = cls(
         model, lr=0.05, T=1, preconditioner_dtype=(torch.float32, torch.float32)
     )
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=100)
-    X, y = _data(torch.float16)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale, growth_interval=100)
+    X, y = _data(torch.float16, device)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -59,11 +67,12 @@ def _scaled_run(
     return params, losses, optimizer.skipped_steps
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_float16_parameters_train_under_the_default_scale(name: str) -> None:
+def test_float16_parameters_train_under_the_default_scale(name: str, device) -> None:
     assert torch.tensor(2.0**16, dtype=torch.float16).isinf()
-    default, losses, skipped = _scaled_run(OPTIMIZERS[name], 2.0**16)
-    lower, _, _ = _scaled_run(OPTIMIZERS[name], 2.0**15)
+    default, losses, skipped = _scaled_run(OPTIMIZERS[name], 2.0**16, device)
+    lower, _, _ = _scaled_run(OPTIMIZERS[name], 2.0**15, device)
     assert skipped == 0
     assert losses[-1] < 0.95 * losses[0], losses
     for p, q in zip(default, lower, strict=True):
@@ -83,9 +92,11 @@ def _backward_and_step(
         scaler.update()
 
 
-def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]:
+def _float16_factor_run(
+    scaler: torch.amp.GradScaler | None, device: str
+) -> tuple[list, int]:
     """float32 model, float16 factors, a sum loss (large scaled rows)."""
-    model = _model(torch.float32)
+    model = _model(torch.float32, device)
     optimizer = SINGD(
         model,
         lr=0.01,
@@ -95,7 +106,7 @@ def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]
         preconditioner_dtype=(torch.float16, torch.float16),
         init_grad_scale=scaler.get_scale() if scaler is not None else 1.0,
     )
-    X, _ = _data(torch.float32)
+    X, _ = _data(torch.float32, device)
     Y = torch.tanh(X[:, :3])
     trajectory = []
     for _ in range(6):
@@ -106,10 +117,11 @@ def _float16_factor_run(scaler: torch.amp.GradScaler | None) -> tuple[list, int]
     return trajectory, optimizer.skipped_steps
 
 
-def test_float16_factors_take_unscaled_rows_under_a_scaler() -> None:
-    reference, skipped = _float16_factor_run(None)
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_factors_take_unscaled_rows_under_a_scaler(device: str) -> None:
+    reference, skipped = _float16_factor_run(None, device)
     scaled, scaled_skipped = _float16_factor_run(
-        torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        torch.amp.GradScaler(device, init_scale=2.0**16, growth_interval=2), device
     )
     assert skipped == scaled_skipped == 0
     assert not torch.equal(reference[0][0], reference[-1][0])

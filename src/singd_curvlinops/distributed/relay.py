@@ -30,6 +30,11 @@ factors; after them the helpers' half products — and posts its receives in the
 same order, so that backends that match a pair's messages by order (NCCL)
 pair them as gloo does by tag. All of them complete before the step ends
 (`finish`).
+
+Gloo sends and receives CPU tensors only: given a CUDA tensor, it hands the
+device address to the socket, which fails ("Bad address"; its collectives do
+take CUDA tensors). Where the process group runs gloo for the weights' device,
+the messages are staged through the CPU (`message_device`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from singd_curvlinops.rules.factors import load_factor
 from singd_curvlinops.rules.singd import caches_for_one_use
 from singd_curvlinops.structures import DenseMatrix
 from singd_curvlinops.update import precondition_input_side, precondition_output_side
+
+CPU = torch.device("cpu")
 
 
 class Relay:
@@ -155,7 +162,7 @@ class Relay:
         Returns:
             The strategy's buffer for `slot` (a fresh tensor without buffers).
         """
-        return lend(self.buffers, slot, numel, self.dtype, buffer_device(slot[1]))
+        return lend(self.buffers, slot, numel, self.dtype, message_device(slot[1]))
 
     @staticmethod
     def _what(layer: Layer) -> str:
@@ -246,7 +253,7 @@ class Relay:
         side = 1 - assignment.anchor
         state = self.stepper.state[layer.weight]
         factor = load_factor(state, ("K", "C")[side], "dense").to_dense()  # (a copy)
-        message = factor.reshape(-1).to(self.dtype)
+        message = factor.reshape(-1).to(message_device(layer), self.dtype)
         tag = len(self._tags) + self._tags[layer]
         with named_collective(self._what(layer)):
             work = dist.isend(message, dst=assignment.helper, tag=tag)
@@ -273,7 +280,8 @@ class Relay:
         side = 1 - assignment.anchor
         dim = layer.dims[side]
         dtype = layer.factor_dtypes(self.stepper.group(layer))[side]
-        shipped = DenseMatrix(factor.view(dim, dim).to(dtype))
+        device = local(layer.weight).device
+        shipped = DenseMatrix(factor.view(dim, dim).to(device=device, dtype=dtype))
         grad = self.stepper.gradient(layer)
         if grad is not None:
             product = (
@@ -317,9 +325,10 @@ class Relay:
         buffer, work = self._incoming.pop(layer)  # (gloo's work is waited once)
         with named_collective(self._what(layer)):
             work.wait()
-        self._flags[layer] = buffer[-1:]
+        device = local(layer.weight).device
+        self._flags[layer] = buffer[-1:].to(device)
         d_K, d_C = layer.dims
-        return buffer[:-1].view(d_C, d_K)
+        return buffer[:-1].view(d_C, d_K).to(device)
 
     def flag(self, layer: Layer) -> Tensor | None:
         """Return the received flag of a layer (None: nothing received).
@@ -346,13 +355,39 @@ class Relay:
         self._shipped.clear()
 
 
-def buffer_device(layer: Layer) -> torch.device:
-    """Return the device of a layer's messages.
+def message_device(layer: Layer) -> torch.device:
+    """Return the device of a layer's point-to-point messages.
 
     Args:
         layer: The layer.
 
     Returns:
-        The device of its (local) weight.
+        The device of its (local) weight, or the CPU where the process group
+        sends that device's tensors with gloo (`sends_on`).
     """
-    return local(layer.weight).device
+    device = local(layer.weight).device
+    if device.type == "cpu" or sends_on(device, str(dist.get_backend_config())):
+        return device
+    return CPU
+
+
+def sends_on(device: torch.device, backend_config: str) -> bool:
+    """Return whether a process group sends and receives tensors on `device`.
+
+    Args:
+        device: The tensors' device.
+        backend_config: The group's backend per device type, as
+            `torch.distributed.get_backend_config` gives it
+            (`"cpu:gloo,cuda:nccl"`; one name alone serves every type).
+
+    Returns:
+        False where the backend for the device's type is gloo, whose `send`
+        and `recv` take CPU tensors only; True otherwise.
+    """
+    if device.type == "cpu":
+        return True
+    backends = {}
+    for entry in backend_config.split(","):
+        kind, _, name = entry.strip().rpartition(":")
+        backends[kind or device.type] = name.lower()
+    return backends.get(device.type) != "gloo"

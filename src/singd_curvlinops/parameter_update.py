@@ -172,11 +172,12 @@ def unscale_(grad: Tensor, grad_scale: Tensor) -> Tensor:
     rounded once into the gradient's dtype: the scale itself need not fit the
     gradient's dtype (the scaler's default `2**16` overflows float16 to `inf`,
     which would silently turn every gradient into zeros). A low-precision
-    gradient is widened explicitly: dividing it in place by the scale, a
-    zero-dimensional float32 tensor, computes in the gradient's dtype on CUDA
-    (type promotion ignores the zero-dimensional operand's dtype), which made
-    every float16 step a zero step on a GPU before 2026-12-04 (on the CPU the
-    same division happened to be exact).
+    gradient is widened explicitly. Divided in place by the scale, a
+    zero-dimensional float32 tensor, it stays a float16 operation by type
+    promotion (a zero-dimensional operand does not widen a dimensioned one of
+    the same kind); CUDA casts the scale to float16 for it, `inf`, while the
+    CPU kernel happened to divide exactly. That made every scaled float16 step
+    a zero step on a GPU before 2026-12-04.
 
     Args:
         grad: The scaled gradient (overwritten).

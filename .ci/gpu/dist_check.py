@@ -3,10 +3,11 @@
 Usage, from the repository root:
 `torchrun --nproc_per_node W .ci/gpu/dist_check.py BACKEND DEVICE [FILTER]`,
 e.g. `... 2 .ci/gpu/dist_check.py gloo cuda:0` or `... 1 ... nccl cuda:0`.
-Every case (`tests/distributed/harness.py`'s models and options; FILTER keeps
-the cases whose name contains it) trains on this rank's share of the global
-batch with the tensors on DEVICE and is compared with one process on the whole
-batch on the CPU (float64, 1e-10); its optimizer state must stay on DEVICE.
+Every case (`tests/distributed/harness.py`'s models, options and training loop;
+FILTER keeps the cases whose name contains it) trains on this rank's share of
+the global batch with the tensors on DEVICE and is compared with one process on
+the whole batch on the CPU (float64, 1e-10); its optimizer state must stay on
+DEVICE.
 Rank 0 prints PASS/FAIL per case and a summary. FSDP2 parameters are gathered
 through `all_gather_object` of their local shards, because PyTorch's own
 `DTensor.full_tensor()` crashes on gloo with CUDA tensors (`fsdp_full_tensor.py`).
@@ -17,70 +18,25 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
+from comparison import rel, state_devices
 
 sys.path.insert(0, os.getcwd())
 from tests.distributed.harness import (  # noqa: E402
-    BATCH,
     DENSE,
     IKFAC,
     KFAC_OPTIONS,
     SPARSE,
-    STEPS,
     Case,
-    batch,
-    build_model,
-    make_optimizer,
-    wrap,
+    reference,
+    train,
 )
 
 BACKEND, DEVICE = sys.argv[1], torch.device(sys.argv[2])
-
-
-def run(case: Case, device: torch.device, distributed: bool):
-    world = dist.get_world_size() if distributed else 1
-    rank = dist.get_rank() if distributed else 0
-    model = build_model(case.model).to(device, case.dtype)
-    if distributed:
-        net = wrap(case, model)
-    else:
-        net, case = model, replace(case, wrap="manual", distribute="replicate")
-    optimizer = make_optimizer(case, net)
-    for step in range(STEPS):
-        X, y = batch(step, case.model)
-        X = X.to(case.dtype) if X.is_floating_point() else X
-        local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        X, y = X[local].to(device), y[local].to(device)
-        optimizer.zero_grad()
-        if case.wrap.endswith("accumulate") and world > 1:
-            micro = list(zip(X.chunk(2), y.chunk(2), strict=True))
-            for index, (Xm, ym) in enumerate(micro):
-                last = index == len(micro) - 1
-                if case.wrap.startswith("fsdp"):
-                    net.set_requires_gradient_sync(last)
-                ctx = (
-                    nullcontext()
-                    if last or case.wrap.startswith("fsdp")
-                    else net.no_sync()
-                )
-                with ctx:
-                    (F.cross_entropy(net(Xm), ym) * (len(Xm) / len(X))).backward()
-        else:
-            F.cross_entropy(net(X), y).backward()
-        optimizer.step()
-    devices = {
-        v.device.type
-        for s in optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v) and v.numel() > 0
-    }
-    return full_params(model), devices
 
 
 def full_params(model):
@@ -149,8 +105,9 @@ for wrap_name in ("ddp", "fsdp"):
 if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
     selected = [c for c in CASES if len(sys.argv) < 4 or sys.argv[3] in c[0]]
+    # one process on the whole batch, on the CPU, before the process group
     references = {
-        name: run(case, torch.device("cpu"), False)[0] for name, case in selected
+        name: reference(replace(case, device="cpu")) for name, case in selected
     }
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
@@ -163,12 +120,9 @@ if __name__ == "__main__":
     failed = 0
     for name, case in selected:
         try:
-            got, devices = run(case, DEVICE, True)
-            ref = references[name]
-            diff = max(
-                ((a - b).abs().max() / b.abs().max()).item()
-                for a, b in zip(got, ref, strict=True)
-            )
+            model, _, optimizer = train(replace(case, device=str(DEVICE)))
+            got, devices = full_params(model), state_devices(optimizer)
+            diff = max(rel(a, b) for a, b in zip(got, references[name], strict=True))
             ok = diff < 1e-10 and devices <= {DEVICE.type}
             message = f"rel diff {diff:.1e}, state {sorted(devices)}"
         except Exception:

@@ -20,48 +20,36 @@ import sys
 import traceback
 
 import torch
-from gpu_check import CPU, DEVICE, amp_data, amp_model, rel, zoo_on
+from comparison import CPU, flat, rel
+from gpu_check import (
+    DEVICE,
+    amp_data,
+    amp_model,
+    zoo_adamw,
+    zoo_on,
+    zoo_singd,
+    zoo_steps,
+)
 from torch.nn import functional as F
 
 from singd_curvlinops import SINGD
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
-
-
-def float64_eval(device, name):
-    model, loss_fn = zoo_on(device, name, torch.float64)
-    return model.eval(), loss_fn
-
-
 def zoo_drift(name):
     out = {}
     for device in (CPU, DEVICE):
-        model, loss_fn = float64_eval(device, name)
-        loss = loss_fn(model)
+        model, loss_fn = zoo_on(device, name, torch.float64)
+        loss = loss_fn(model.eval())
         loss.backward()
         grads = flat(p.grad for p in model.parameters())
-        model.zero_grad()
-        adam = torch.optim.AdamW(model.parameters(), lr=0.05)
-        for _ in range(3):
-            adam.zero_grad()
-            loss_fn(model).backward()
-            adam.step()
-        adam_params = flat(model.parameters())
-        model, loss_fn = float64_eval(device, name)
-        singd = SINGD(model, lr=0.05, lr_cov=0.05, T=1)
-        singd_params = []
-        for _ in range(3):
-            singd.zero_grad()
-            loss_fn(model).backward()
-            singd.step()
-            singd_params.append(flat(model.parameters()))
-        out[device.type] = (loss.detach().cpu(), grads, adam_params, singd_params)
+        adam, _ = zoo_steps(device, name, zoo_adamw)
+        singd, _ = zoo_steps(device, name, zoo_singd)
+        out[device.type] = (loss.detach(), grads, adam[-1], singd)
     c, g = out["cpu"], out[DEVICE.type]
     print(
-        f"DRIFT {name}: loss {rel(g[0], c[0]):.1e}, grads {rel(g[1], c[1]):.1e}, "
-        f"AdamW 3 steps {rel(g[2], c[2]):.1e}, SINGD steps "
+        f"DRIFT {name}: loss {rel(g[0].cpu(), c[0]):.1e}, "
+        f"grads {rel(g[1], c[1]):.1e}, AdamW 3 steps {rel(g[2], c[2]):.1e}, "
+        "SINGD steps "
         + ", ".join(f"{rel(a, b):.1e}" for a, b in zip(g[3], c[3], strict=True)),
         flush=True,
     )

@@ -20,13 +20,14 @@ import traceback
 
 import numpy as np
 import torch
+from comparison import CPU, flat, rel, state_devices
 from torch import nn
 from torch.nn import functional as F
 
 from singd_curvlinops import EKFAC, KFAC, SINGD, SINGDLinearOperator
 
+sys.path.insert(0, ".")  # the repository root: the zoo of tests/models
 DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
-CPU = torch.device("cpu")
 TOL = 1e-10
 RESULTS: list[tuple[str, bool, str]] = []
 
@@ -68,23 +69,10 @@ def data(step: int, device: torch.device, dtype=torch.float64):
     return X.to(device), y.to(device)
 
 
-def make(cls, model, options):
-    return cls(model, **options)
-
-
-def state_devices(optimizer) -> set[str]:
-    devices = set()
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.numel() > 0:
-                devices.add(value.device.type)
-    return devices
-
-
-def trajectory(device, cls, options, steps=6, start=None, resume=None):
+def trajectory(device, cls, options, steps=6, resume=None):
     """Train `steps` steps; optionally from a state dict (model, optimizer)."""
     model = small_model().to(device)
-    optimizer = make(cls, model, options)
+    optimizer = cls(model, **options)
     first = 0
     if resume is not None:
         model_state, opt_state, first = resume
@@ -96,14 +84,6 @@ def trajectory(device, cls, options, steps=6, start=None, resume=None):
         F.cross_entropy(model(X), y).backward()
         optimizer.step()
     return model, optimizer
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).to(CPU) for p in model.parameters()])
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 BASE = {
@@ -157,9 +137,9 @@ def trajectories() -> None:
         def one(label, cls=cls, options=options):
             cpu_model, _ = trajectory(CPU, cls, options)
             gpu_model, gpu_opt = trajectory(DEVICE, cls, options)
-            r = rel(flat(gpu_model), flat(cpu_model))
+            r = rel(flat(gpu_model.parameters()), flat(cpu_model.parameters()))
             devices = state_devices(gpu_opt)
-            moved = rel(flat(gpu_model), flat(small_model()))
+            moved = rel(flat(gpu_model.parameters()), flat(small_model().parameters()))
             report(
                 label,
                 r < TOL and devices <= {DEVICE.type} and moved > 1e-3,
@@ -183,22 +163,15 @@ def checkpoints(label):
         resumed, opt = trajectory(
             dst, cls, options, steps=6, resume=(saved["m"], saved["o"], 3)
         )
-        r = rel(flat(resumed), flat(ref_model))
+        r = rel(flat(resumed.parameters()), flat(ref_model.parameters()))
         devices = state_devices(opt)
         ok &= r < TOL and devices <= {dst.type}
         details.append(f"{src.type}->{dst.type} rel {r:.1e} state {sorted(devices)}")
     # a CUDA checkpoint loaded without map_location into a CPU model's optimizer
     model, optimizer = trajectory(DEVICE, cls, options, steps=3)
-    cpu_model = small_model()
-    cpu_model.load_state_dict(model.state_dict())
-    cpu_opt = SINGD(cpu_model, **options)
-    cpu_opt.load_state_dict(optimizer.state_dict())
-    for step in range(3, 6):
-        X, y = data(step, CPU)
-        cpu_opt.zero_grad()
-        F.cross_entropy(cpu_model(X), y).backward()
-        cpu_opt.step()
-    r = rel(flat(cpu_model), flat(ref_model))
+    live = (model.state_dict(), optimizer.state_dict(), 3)
+    cpu_model, cpu_opt = trajectory(CPU, cls, options, steps=6, resume=live)
+    r = rel(flat(cpu_model.parameters()), flat(ref_model.parameters()))
     devices = state_devices(cpu_opt)
     ok &= r < TOL and devices <= {"cpu"}
     details.append(f"live cuda state into cpu optimizer rel {r:.1e} {sorted(devices)}")
@@ -216,7 +189,7 @@ def linear_operator(label):
     b = gpu_op.to_scipy() @ v
     r = float(np.abs(a - b).max() / np.abs(a).max())
     tv = torch.from_numpy(v).to(DEVICE)
-    c = (gpu_op @ tv).detach().cpu().numpy() if hasattr(gpu_op, "__matmul__") else b
+    c = (gpu_op @ tv).detach().cpu().numpy()
     r2 = float(np.abs(a - c).max() / np.abs(a).max())
     report(label, r < TOL and r2 < TOL, f"scipy rel {r:.1e}, torch @ rel {r2:.1e}")
 
@@ -246,7 +219,7 @@ def set_curvature(label):
             optimizer.step()
         return model
 
-    r = rel(flat(run(DEVICE)), flat(run(CPU)))
+    r = rel(flat(run(DEVICE).parameters()), flat(run(CPU).parameters()))
     report(label, r < TOL, f"rel diff {r:.1e}")
 
 
@@ -353,7 +326,6 @@ def low_precision(label):
 
 
 def zoo_on(device, name, dtype):
-    sys.path.insert(0, ".")
     from tests.models.zoo import MODELS
 
     torch.manual_seed(0)
@@ -370,20 +342,32 @@ def zoo_on(device, name, dtype):
     return model, loss_fn
 
 
-def zoo_steps(device, name, make_optimizer):
-    """Three float64 steps of a zoo model in evaluation mode (no dropout).
+def zoo_steps(device, name, make_optimizer, steps: int = 3):
+    """Float64 steps of a zoo model in evaluation mode (no dropout).
 
     Returns:
-        The flat parameters on the CPU, and the optimizer.
+        The flat parameters on the CPU after each step, and the optimizer.
     """
     model, loss_fn = zoo_on(device, name, torch.float64)
     model.eval()
     optimizer = make_optimizer(model)
-    for _ in range(3):
+    trajectory = []
+    for _ in range(steps):
         optimizer.zero_grad()
         loss_fn(model).backward()
         optimizer.step()
-    return flat(model), optimizer
+        trajectory.append(flat(model.parameters()))
+    return trajectory, optimizer
+
+
+def zoo_singd(model):
+    """SINGD as the zoo's float64 comparisons run it (structures chosen per layer)."""
+    return SINGD(model, lr=0.05, lr_cov=0.05, T=1, structures="auto")
+
+
+def zoo_adamw(model):
+    """AdamW for the zoo models' own drift between devices."""
+    return torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
 ZOO = [
@@ -404,19 +388,13 @@ def zoo() -> None:
 
         @check(f"zoo {name}: cuda==cpu float64 (eval), cuda float32 train")
         def one(label, name=name):
-            def singd(model):
-                return SINGD(model, lr=0.05, lr_cov=0.05, T=1, structures="auto")
-
-            def adamw(model):
-                return torch.optim.AdamW(model.parameters(), lr=0.05)
-
-            cpu, _ = zoo_steps(CPU, name, singd)
-            gpu, optimizer = zoo_steps(DEVICE, name, singd)
-            r, devices = rel(gpu, cpu), state_devices(optimizer)
+            cpu, _ = zoo_steps(CPU, name, zoo_singd)
+            gpu, optimizer = zoo_steps(DEVICE, name, zoo_singd)
+            r, devices = rel(gpu[-1], cpu[-1]), state_devices(optimizer)
             # the model's own drift between the devices, under AdamW
-            r_adam = rel(
-                zoo_steps(DEVICE, name, adamw)[0], zoo_steps(CPU, name, adamw)[0]
-            )
+            adam_gpu, _ = zoo_steps(DEVICE, name, zoo_adamw)
+            adam_cpu, _ = zoo_steps(CPU, name, zoo_adamw)
+            r_adam = rel(adam_gpu[-1], adam_cpu[-1])
             model, loss_fn = zoo_on(DEVICE, name, torch.float32)
             optimizer = SINGD(model, lr=0.01, lr_cov=0.01, T=2)
             losses = []

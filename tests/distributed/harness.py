@@ -71,6 +71,8 @@ class Case:
             Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout) or
             `"embed"` (the same without the tie: BERT's and Llama's layout).
         dtype: The model's and the data's dtype.
+        device: The model's and the data's device (the GPU checks of
+            `.ci/gpu/dist_check.py` train the same cases on `"cuda"`).
     """
 
     options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
@@ -79,6 +81,7 @@ class Case:
     kfac: bool = False
     model: str = "three"
     dtype: torch.dtype = torch.float64
+    device: str = "cpu"
 
 
 class LastPosition(nn.Module):
@@ -192,7 +195,7 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
     X, y = batch(step, case.model)
     X = X.to(case.dtype) if X.is_floating_point() else X
     local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    X, y = X[local], y[local]
+    X, y = X[local].to(case.device), y[local].to(case.device)
     optimizer.zero_grad()
     if case.wrap.endswith("accumulate") and world > 1:
         micro = list(zip(X.chunk(2), y.chunk(2), strict=True))
@@ -227,7 +230,7 @@ def params(model: nn.Module) -> list[Tensor]:
 
 
 def train(case: Case, steps: int = STEPS) -> tuple[nn.Module, nn.Module, Any]:
-    model = build_model(case.model).to(case.dtype)
+    model = build_model(case.model).to(case.device, case.dtype)
     net = wrap(case, model) if dist.is_initialized() else model
     optimizer = make_optimizer(case, net)
     for step in range(steps):

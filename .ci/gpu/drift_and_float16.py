@@ -25,14 +25,13 @@ from gpu_check import (
     DEVICE,
     amp_data,
     amp_model,
+    low_precision_singd,
     zoo_adamw,
     zoo_on,
     zoo_singd,
     zoo_steps,
 )
 from torch.nn import functional as F
-
-from singd_curvlinops import SINGD
 
 
 def zoo_drift(name):
@@ -58,14 +57,7 @@ def zoo_drift(name):
 def fp16_scaler(device, factors, scaled=True, steps=12):
     model = amp_model(device, torch.float16)
     X, y = amp_data(device, torch.float16)
-    optimizer = SINGD(
-        model,
-        lr=0.05,
-        lr_cov=0.05,
-        T=2,
-        structures=("diagonal", "dense"),
-        preconditioner_dtype=(factors, factors),
-    )
+    optimizer = low_precision_singd(model, factors)
     scaler = torch.amp.GradScaler(device.type) if scaled else None
     before = flat(model.parameters())
     for step in range(steps):

@@ -285,6 +285,20 @@ def amp(label):
     report(label, ok, "; ".join(details))
 
 
+def low_precision_singd(model, factors):
+    """SINGD for a low-precision model; `factors`: the factors' dtype (None: the
+    parameters').
+    """
+    return SINGD(
+        model,
+        lr=0.05,
+        lr_cov=0.05,
+        T=2,
+        structures=("diagonal", "dense"),
+        preconditioner_dtype=(factors, factors),
+    )
+
+
 @check("bfloat16 params (float32 factors) and float16 params + scaler on cuda")
 def low_precision(label):
     details, ok = [], True
@@ -294,14 +308,7 @@ def low_precision(label):
         (torch.float16, torch.float32, True),
     ):
         model = amp_model(DEVICE, dtype)
-        optimizer = SINGD(
-            model,
-            lr=0.05,
-            lr_cov=0.05,
-            T=2,
-            structures=("diagonal", "dense"),
-            preconditioner_dtype=(factors, factors),
-        )
+        optimizer = low_precision_singd(model, factors)
         scaler = torch.amp.GradScaler(DEVICE.type) if scaled else None
         X, y = amp_data(DEVICE, dtype)
         losses = []

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops.layers import attention, attention_core
 from tests.layers._helpers import expand_factors, kfac_factors
 
 E, HEADS, B, L, S = 6, 2, 3, 4, 5
@@ -276,3 +277,159 @@ def test_an_attention_subclass_with_its_own_forward_goes_to_the_fallback() -> No
     assert [layer.name for layer in optimizer.layers] == ["head"]
     assert set(block.attn.parameters()) <= set(optimizer.fallback_params)
     torch.testing.assert_close(block(x, memory), expected, rtol=0.0, atol=0.0)
+
+
+def _masks(layout: str) -> dict[str, dict]:
+    """The mask arguments of a self-attention call on `L` positions."""
+    batch = 1 if layout == "unbatched" else B
+    upper = torch.ones(L, L, dtype=torch.bool).triu(1)
+    return {
+        "none": {},
+        "boolean": {"attn_mask": upper},
+        "additive": {"attn_mask": torch.randn(L, L, dtype=torch.float64)},
+        "per-head": {"attn_mask": torch.rand(batch * HEADS, L, L) < 0.3},
+        "causal": {
+            "attn_mask": nn.Transformer.generate_square_subsequent_mask(
+                L, dtype=torch.float64
+            ),
+            "is_causal": True,
+        },
+    }
+
+
+def _self_attention_run(layout: str, masks: str, padding: bool) -> tuple:
+    """One training call of a self-attention block under KFAC (T=1, dropout 0.5).
+
+    Returns the output, the gradients, the random state after the call and the
+    factors of both projections.
+    """
+    torch.manual_seed(0)
+    model = Block("self", batch_first=layout == "batch-first", dropout=0.5).double()
+    optimizer = KFAC(model, T=1, lr=0.0)
+    x = torch.randn(L, E, dtype=torch.float64) if layout == "unbatched" else None
+    if x is None:
+        x, _ = _inputs(layout == "batch-first")
+    x.requires_grad_()
+    torch.manual_seed(2)
+    kwargs = {"need_weights": False, **_masks(layout)[masks]}
+    if padding:  # of the attention mask's type (PyTorch deprecates mixing them)
+        attn_mask = kwargs.get("attn_mask")
+        additive = attn_mask is not None and attn_mask.is_floating_point()
+        mask = torch.zeros(L if layout == "unbatched" else (B, L), dtype=torch.bool)
+        mask[..., -1] = True
+        if additive:
+            mask = torch.zeros_like(mask, dtype=torch.float64).masked_fill(mask, -1e4)
+        kwargs["key_padding_mask"] = mask
+    torch.manual_seed(1)
+    out = model(x, None, **kwargs)
+    state = torch.get_rng_state()
+    out.backward()
+    grads = [x.grad, *(p.grad for p in model.parameters())]
+    optimizer.step()
+    factors = [kfac_factors(optimizer, layer) for layer in optimizer.layers[:2]]
+    return out, grads, state, factors
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("masks", ["none", "boolean", "additive", "per-head", "causal"])
+@pytest.mark.parametrize("layout", ["batch-first", "sequence-first", "unbatched"])
+def test_direct_attention_equals_the_recomputation_with_identity_projections(
+    layout, masks, padding, monkeypatch
+) -> None:
+    """`need_weights=False` calls compute attention from the projected tensors.
+
+    The same output, gradients, dropout masks and statistics as the general
+    recomputation (the module run with identity projections), which is not used.
+    """
+
+    def identity_projections_are_not_used(module):
+        raise AssertionError("the direct path ran the module with identities")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            attention, "_identity_projections", identity_projections_are_not_used
+        )
+        direct = _self_attention_run(layout, masks, padding)
+    monkeypatch.setattr(attention_core, "direct", lambda module, call: False)
+    general = _self_attention_run(layout, masks, padding)
+    out, grads, state, factors = direct
+    out_ref, grads_ref, state_ref, factors_ref = general
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+    assert state.equal(state_ref)
+    for pair, pair_ref in zip(factors, factors_ref, strict=True):
+        for factor, factor_ref in zip(pair, pair_ref, strict=True):
+            torch.testing.assert_close(factor, factor_ref, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("options", "need_weights", "direct"),
+    [
+        ({}, False, True),
+        ({}, True, False),
+        ({"add_bias_kv": True}, False, False),
+        ({"add_zero_attn": True}, False, False),
+    ],
+)
+def test_identity_projections_only_where_the_direct_path_cannot_attend(
+    options, need_weights, direct, monkeypatch
+) -> None:
+    calls = []
+    recompute = attention._identity_projections
+    monkeypatch.setattr(
+        attention,
+        "_identity_projections",
+        lambda module: calls.append(module) or recompute(module),
+    )
+    model = Block("self", batch_first=True, **options).double()
+    optimizer = SINGD(model, T=1)
+    x, memory = _inputs(True)
+    model(x, memory, need_weights=need_weights).backward()
+    assert optimizer._collector.pending, "no statistics were collected"
+    assert len(calls) == (0 if direct else 1)
+
+
+class _AttentionThenDropout(nn.Module):
+    """Self-attention with dropout, then a dropout on its output, then a read-out."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(
+            E, HEADS, dropout=0.5, batch_first=batch_first
+        )
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, x, need_weights):
+        out, _ = self.attn(x, x, x, need_weights=need_weights)
+        return self.head(self.drop(out)).sum()
+
+
+@pytest.mark.parametrize("need_weights", [False, True])  # direct and identity route
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_dropout_after_the_attention_draws_the_unmodified_models_mask(
+    batch_first, need_weights
+) -> None:
+    """The recomputed output is laid out in memory as the module's.
+
+    Before, with `batch_first=True` the recomputed output was contiguous where the
+    module returns a transposed view of a sequence-first tensor: a dropout after it
+    drew the same numbers in another order, a different mask than without the
+    optimizer.
+    """
+    torch.manual_seed(0)
+    model = _AttentionThenDropout(batch_first).double()
+    reference = copy.deepcopy(model)
+    optimizer = SINGD(model, T=1)
+    x, _ = _inputs(batch_first)
+    results = []
+    for net in (model, reference):
+        torch.manual_seed(1)
+        out = net(x, need_weights)
+        results.append((out, torch.autograd.grad(out, [x, *net.parameters()])))
+    (out, grads), (out_ref, grads_ref) = results
+    assert optimizer._collector.pending, "no statistics were collected"
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)

@@ -24,15 +24,20 @@ dimension, the output gradients outside a use's rows are zero). `bias_k` and
 
 Mechanism. On passes that collect statistics, `forward_uses` recomputes the
 module's output with the projections exposed: it applies them with
-`torch.nn.functional.linear` (the same calls the module makes), lets the module run
-its attention with identity projections (`torch.func.functional_call` with
-\(I\) and zero biases in place of the projection parameters, which reproduces the
-projected tensors exactly), applies the output projection, and returns that output
-in place of the original one, whose graph is dropped. Outputs and gradients equal
-the unmodified module's (the tests check 1e-12 in float64); with attention
-dropout, the random state of the original call is replayed. The cost: the
-module's forward runs twice on collecting passes (every `T` steps), plus the
-identity products.
+`torch.nn.functional.linear` (the same calls the module makes), computes the
+attention between them, applies the output projection, and returns that output in
+place of the original one, whose graph is dropped. The attention comes from
+`attention_core.attend` (the module's own `scaled_dot_product_attention` call, for
+`need_weights=False` without `bias_k`, `bias_v` or zero attention: how
+`nn.TransformerEncoderLayer`, `nn.TransformerDecoderLayer` and torchvision's ViT
+call it); any other call lets the module run its attention with identity
+projections (`torch.func.functional_call` with \(I\) and zero biases in place of
+the projection parameters, which reproduces the projected tensors exactly).
+Outputs and gradients equal the unmodified module's (the tests check 1e-12 in
+float64); with attention dropout, the random state of the original call is
+replayed. The cost: the attention runs twice on collecting passes (every `T`
+steps), and the identity route adds four products of width \(E\) to the forward
+pass and as many to the backward pass.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from torch.nn import Module, MultiheadAttention, Parameter
 from torch.nn import functional as F
 
 from singd_curvlinops import statistics
+from singd_curvlinops.layers import attention_core
 from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
 from singd_curvlinops.layers.matching import plain_forward
 from singd_curvlinops.layers.replay import random_state, replayed
@@ -189,24 +195,38 @@ class MultiheadAttentionAdapter(LayerAdapter):
         batch_dim = (0 if module.batch_first else 1) if query.dim() == 3 else None
         uses: list[Use] = []
         projected = _project(module, query, key, value, batch_dim, uses)
-        attended, weights = replayed(
-            before,
-            query.device,
-            lambda: functional_call(
-                module, _identity_projections(module), projected, bound
-            ),
-        )
+        if attention_core.direct(module, bound):
+            weights = None
+            attended = replayed(
+                before,
+                query.device,
+                lambda: attention_core.attend(module, *projected, batch_dim, bound),
+            )
+        else:
+            attended, weights = replayed(
+                before,
+                query.device,
+                lambda: functional_call(
+                    module, _identity_projections(module), projected, bound
+                ),
+            )
+            attended = attention_core.sequence_first(attended, batch_dim)
+        # sequence first, as the module applies it: its output is then laid out
+        # in memory as the module's, and a dropout after it draws the same mask
         attn_output = F.linear(attended, module.out_proj.weight, module.out_proj.bias)
+        sequence_dim = None if batch_dim is None else 1
         uses.append(
             Use(
                 "out_proj",
-                _batch_first(attended, batch_dim),
+                _batch_first(attended, sequence_dim),
                 attn_output,
                 None,
-                batch_dim,
+                sequence_dim,
             )
         )
-        return uses, (attn_output, weights)
+        # back to the module's layout (the swap is its own inverse)
+        output = attention_core.sequence_first(attn_output, batch_dim)
+        return uses, (output, weights)
 
     def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Tensor:
         """Return the rows of a projection's input, with its slot's bias column.

@@ -11,9 +11,9 @@ layers through a `HookSet`. The hooks come off in three ways:
   Lightning's `Tuner.lr_find` followed by `fit`), so that only the newest
   optimizer collects and hooks do not pile up; the older one's `step` raises.
   Optimizers on disjoint modules of one model keep theirs. (Two optimizers on
-  the slots of one module could not both collect: an adapter that recomputes
-  the module's output, as the attention adapter does, would hide one's uses
-  from the other.)
+  the slots of one module could not both collect: an adapter that computes the
+  module's products itself, as the attention adapter does under its capture,
+  would hide one's uses from the other.)
 - **when the optimizer is garbage-collected**: the hooks hold the collector
   weakly, and a finalizer of the `HookSet` removes them.
 

@@ -55,6 +55,7 @@ from singd_curvlinops.hooks import (
     remove_hook,
 )
 from singd_curvlinops.layers import Layer, Site, Use
+from singd_curvlinops.layers.capture import CallCapture
 from singd_curvlinops.layers.rows import use_rows
 from singd_curvlinops.pending import (
     Pair,
@@ -127,9 +128,14 @@ class StatisticsCollector:
             module = site.module
             if module not in self._entries:
                 self._entries[module] = []
+                # an adapter that enters something before the call must leave it
+                # also when the call raises
                 register = [
                     partial(
-                        module.register_forward_hook, ModuleHook(self), with_kwargs=True
+                        module.register_forward_hook,
+                        ModuleHook(self),
+                        with_kwargs=True,
+                        always_call=site.adapter.needs_before_forward,
                     )
                 ]
                 if site.adapter.needs_before_forward:
@@ -204,15 +210,21 @@ class StatisticsCollector:
         Returns:
             A replacement output from the adapter, or None.
         """
-        active = self._active(module)
         before = self._before.pop(module, None)
-        if not active:
+        if isinstance(before, CallCapture):
+            before.leave()
+        active = self._active(module)
+        if not active or output is None:  # None: the call raised (`always_call`)
             return None
         site = active[0][0].site
         uses, replacement = site.adapter.forward_uses(
             module, args, kwargs, output, before
         )
-        uses = [use.batch_first(site.batch_dim, site.sequence) for use in uses]
+        uses = [  # (a use without a graph gets no gradient: nothing to collect)
+            use.batch_first(site.batch_dim, site.sequence)
+            for use in uses
+            if use.output.requires_grad
+        ]
         nodes = {entry.layer: gradient_nodes(entry.layer.params) for entry, _ in active}
         for use in uses:
             # the hook must not hold its own tensor: autograd keeps tensor hooks in

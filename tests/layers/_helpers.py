@@ -104,7 +104,8 @@ def collected_as_unmodified(
     """Check that a collecting pass changes neither outputs, gradients nor draws.
 
     `optimizer` collects `model`'s statistics in this pass (its adapters may
-    recompute modules, replaying dropout); `reference` is an unmodified copy.
+    expose a module's products during its call, `layers.capture`); `reference`
+    is an unmodified copy.
     Both run with the same seed; their losses and gradients must agree to 1e-12
     and the random generator must end where it ends without the optimizer.
 
@@ -121,7 +122,7 @@ def collected_as_unmodified(
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-12)
     for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
-    assert states[0].equal(states[1]), "the replay must draw no extra numbers"
+    assert states[0].equal(states[1]), "a collecting pass must draw no extra numbers"
     return {layer.name for layer in optimizer._collector._pending}
 
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.layers import attention, attention_core
@@ -89,8 +90,8 @@ def test_outputs_and_gradients_equal_the_unmodified_module(case, need_weights) -
 
 
 def _state_after(net, x, memory, kwargs):
-    """The random state after one unhooked call from seed 1 (the replay must not
-    consume extra random numbers)."""
+    """The random state after one unhooked call from seed 1 (a collecting call must
+    not consume extra random numbers)."""
     torch.manual_seed(1)
     net(x, memory, **kwargs)
     return torch.get_rng_state()
@@ -342,7 +343,7 @@ def test_direct_attention_equals_the_recomputation_with_identity_projections(
     recomputation (the module run with identity projections), which is not used.
     """
 
-    def identity_projections_are_not_used(module):
+    def identity_projections_are_not_used(call):
         raise AssertionError("the direct path ran the module with identities")
 
     with monkeypatch.context() as patch:
@@ -350,7 +351,7 @@ def test_direct_attention_equals_the_recomputation_with_identity_projections(
             attention, "_identity_projections", identity_projections_are_not_used
         )
         direct = _self_attention_run(layout, masks, padding)
-    monkeypatch.setattr(attention_core, "direct", lambda module, call: False)
+    monkeypatch.setattr(attention_core, "direct", lambda call: False)
     general = _self_attention_run(layout, masks, padding)
     out, grads, state, factors = direct
     out_ref, grads_ref, state_ref, factors_ref = general
@@ -376,11 +377,11 @@ def test_identity_projections_only_where_the_direct_path_cannot_attend(
     options, need_weights, direct, monkeypatch
 ) -> None:
     calls = []
-    recompute = attention._identity_projections
+    identity = attention._identity_projections
     monkeypatch.setattr(
         attention,
         "_identity_projections",
-        lambda module: calls.append(module) or recompute(module),
+        lambda call: calls.append(call) or identity(call),
     )
     model = Block("self", batch_first=True, **options).double()
     optimizer = SINGD(model, T=1)
@@ -411,7 +412,7 @@ class _AttentionThenDropout(nn.Module):
 def test_a_dropout_after_the_attention_draws_the_unmodified_models_mask(
     batch_first, need_weights
 ) -> None:
-    """The recomputed output is laid out in memory as the module's.
+    """The output of a collecting call is laid out in memory as the module's.
 
     Before, with `batch_first=True` the recomputed output was contiguous where the
     module returns a transposed view of a sequence-first tensor: a dropout after it
@@ -433,3 +434,41 @@ def test_a_dropout_after_the_attention_draws_the_unmodified_models_mask(
     torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-12)
     for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+
+
+class _Calls(TorchFunctionMode):
+    """Counts the calls of one torch function (outside the capture's mode)."""
+
+    def __init__(self, func) -> None:
+        super().__init__()
+        self.func, self.count = func, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
+        self.count += func is self.func
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_collecting_call_attends_once() -> None:
+    """The projections are exposed inside the module's own call, not by a rerun."""
+    torch.manual_seed(0)
+    model = Block("self", batch_first=True).double()
+    optimizer = SINGD(model, T=1)
+    x, memory = _inputs(True)
+    with _Calls(nn.functional.scaled_dot_product_attention) as calls:
+        model(x, memory, need_weights=False).backward()
+    assert optimizer._collector.pending, "no statistics were collected"
+    assert calls.count == 1
+
+
+def test_a_call_that_raises_leaves_no_capture_behind() -> None:
+    """The forward hook that leaves the capture also runs when the call raises."""
+    torch.manual_seed(0)
+    model = Block("self", batch_first=True).double()
+    optimizer = SINGD(model, T=1)
+    x, memory = _inputs(True)
+    wrong_mask = torch.zeros(L + 1, L + 1, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="attn_mask"):
+        model(x, memory, attn_mask=wrong_mask)
+    assert torch._C._len_torch_function_stack() == 0
+    model(x, memory, need_weights=False).backward()  # collects as before
+    assert optimizer._collector.pending, "no statistics were collected"

@@ -135,3 +135,49 @@ def test_fullgraph_compilation_reports_the_hook_graph_break() -> None:
     optimizer.remove_hooks()  # without the hooks the model is one graph
     torch._dynamo.reset()
     assert torch.compile(net, fullgraph=True)(x).shape[0] == 2
+
+
+def transformer() -> nn.Module:
+    """Two `nn.TransformerEncoderLayer`s: `nn.MultiheadAttention` under a capture."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    return nn.Sequential(
+        nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+        nn.Flatten(),
+        nn.Linear(8 * 5, 3),
+    ).double()
+
+
+def train_transformer(net: nn.Module, backend: str | Callable | None) -> SINGD:
+    optimizer = SINGD(net, lr=0.1, lr_cov=0.1, T=3)
+    forward = net if backend is None else torch.compile(net, backend=backend)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        X = torch.randn(4, 5, 8, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 3, (4,), generator=generator)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(forward(X), y).backward()
+        optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("backend", ["inductor", "count"])
+def test_compiled_attention_follows_the_eager_trajectory(backend: str) -> None:
+    """The attention's capture (a torch function mode) under Dynamo.
+
+    Its exposed products run eagerly (`torch.compiler.disable`): traced into a
+    graph, the hooked projections were extra outputs of the graph that the loss
+    did not reach, and their gradient hooks received None.
+    """
+    torch._dynamo.reset()
+    count = GraphCount()
+    eager_net, compiled_net = transformer(), transformer()
+    train_transformer(eager_net, None)
+    train_transformer(compiled_net, count if backend == "count" else backend)
+    for p, q in zip(compiled_net.parameters(), eager_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-14)
+    assert torch._C._len_torch_function_stack() == 0
+    if backend == "count" and COMPILES_AROUND_HOOKS:
+        graphs = count.graphs
+        train_transformer(compiled_net, count)  # the same graphs serve again
+        assert 0 < graphs == count.graphs

@@ -259,9 +259,9 @@ def test_optimizers_on_disjoint_parameters_keep_their_hooks() -> None:
 
 
 def test_a_module_carries_one_optimizers_hooks() -> None:
-    """Slots of one module: the attention adapter recomputes the module's output,
-    which would hide one optimizer's uses from the other; the later one takes
-    the module over."""
+    """Slots of one module: the attention adapter computes the module's products
+    itself, which would hide one optimizer's uses from the other; the later one
+    takes the module over."""
     torch.manual_seed(0)
     attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
     output = list(attention.out_proj.parameters())

@@ -22,22 +22,24 @@ times (curvlinops' rule: the inputs concatenate along the weight-sharing
 dimension, the output gradients outside a use's rows are zero). `bias_k` and
 `bias_v` are no projections; they go to the fallback rule.
 
-Mechanism. On passes that collect statistics, `forward_uses` recomputes the
-module's output with the projections exposed: it applies them with
-`torch.nn.functional.linear` (the same calls the module makes), computes the
-attention between them, applies the output projection, and returns that output in
-place of the original one, whose graph is dropped. The attention comes from
-`attention_core.attend` (the module's own `scaled_dot_product_attention` call, for
-`need_weights=False` without `bias_k`, `bias_v` or zero attention: how
-`nn.TransformerEncoderLayer`, `nn.TransformerDecoderLayer` and torchvision's ViT
-call it); any other call lets the module run its attention with identity
-projections (`torch.func.functional_call` with \(I\) and zero biases in place of
-the projection parameters, which reproduces the projected tensors exactly).
-Outputs and gradients equal the unmodified module's (the tests check 1e-12 in
-float64); with attention dropout, the random state of the original call is
-replayed. The cost: the attention runs twice on collecting passes (every `T`
-steps), and the identity route adds four products of width \(E\) to the forward
-pass and as many to the backward pass.
+Mechanism. On passes that collect statistics, `before_forward` enters a
+`CallCapture` (a torch function mode) for the duration of the module's own call.
+The module then runs as written until it calls
+`torch.nn.functional.multi_head_attention_forward` with its weights; the mode
+computes that call with the projections exposed: it applies them with
+`torch.nn.functional.linear` (the products the function makes) and records their
+uses, computes the attention between them, and applies the output projection.
+The attention comes from `attention_core.attend` (the function's own
+`scaled_dot_product_attention` call, for `need_weights=False` without `bias_k`,
+`bias_v` or zero attention: how `nn.TransformerEncoderLayer`,
+`nn.TransformerDecoderLayer` and torchvision's ViT call it); any other call runs
+the function itself on the projected tensors with identity matrices and zero
+biases in place of the projection weights, which reproduces them exactly and
+costs four products of width \(E\) in the forward pass and as many in the
+backward pass. Nothing is computed twice, and dropout draws its numbers once, at
+the same point as without the optimizer. Outputs and gradients equal the
+unmodified module's (the tests check 1e-12 in float64, and bit for bit where the
+products are the same).
 """
 
 from __future__ import annotations
@@ -47,24 +49,24 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 from torch.nn import Module, MultiheadAttention, Parameter
 from torch.nn import functional as F
 
 from singd_curvlinops import statistics
 from singd_curvlinops.layers import attention_core
-from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
+from singd_curvlinops.layers.base import Slot, Use
+from singd_curvlinops.layers.capture import CallCapture, CapturingAdapter
 from singd_curvlinops.layers.matching import plain_forward
-from singd_curvlinops.layers.replay import random_state, replayed
 
 _INPUTS = ("query", "key", "value")
+_PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+_FUNCTIONAL = inspect.signature(F.multi_head_attention_forward)
 
 
-class MultiheadAttentionAdapter(LayerAdapter):
+class MultiheadAttentionAdapter(CapturingAdapter):
     """`torch.nn.MultiheadAttention`: input and output projections (module docs)."""
 
     description = "torch.nn.MultiheadAttention"
-    needs_before_forward = True
 
     def matches(self, module: Module) -> bool:
         """Return whether `module` is a `MultiheadAttention`.
@@ -148,8 +150,8 @@ class MultiheadAttentionAdapter(LayerAdapter):
         d_out, d_in = slot.weight.shape
         return d_in, d_out
 
-    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> Any:
-        """Return the random state before a call whose dropout must be replayed.
+    def capture(self, module: Module, args: tuple, kwargs: dict) -> _ExposedAttention:
+        """Return the mode that exposes the projections of this call (module docs).
 
         Args:
             module: The attention module.
@@ -157,76 +159,9 @@ class MultiheadAttentionAdapter(LayerAdapter):
             kwargs: Keyword arguments of the call.
 
         Returns:
-            The CPU (and the input's CUDA device's) random state, or None
-            without attention dropout.
+            The capture.
         """
-        if not (module.training and module.dropout > 0):
-            return None
-        query = args[0] if args else kwargs["query"]
-        return random_state(query.device)
-
-    def forward_uses(
-        self,
-        module: Module,
-        args: tuple,
-        kwargs: dict[str, Any],
-        output: Any,
-        before: Any,
-    ) -> tuple[list[Use], Any]:
-        """Recompute the output with the projections exposed (module docs).
-
-        Args:
-            module: The attention module, after its forward call.
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
-            output: `(attn_output, attn_weights)` of the call.
-            before: The random state from `before_forward`.
-
-        Returns:
-            The projections' uses and the recomputed `(attn_output,
-            attn_weights)`.
-        """
-        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        query, key, value = (bound.pop(name) for name in _INPUTS)
-        if not any(t.requires_grad for t in (query, key, value)) and not any(
-            p.requires_grad for p in module.parameters()
-        ):
-            return [], None
-        batch_dim = (0 if module.batch_first else 1) if query.dim() == 3 else None
-        uses: list[Use] = []
-        projected = _project(module, query, key, value, batch_dim, uses)
-        if attention_core.direct(module, bound):
-            weights = None
-            attended = replayed(
-                before,
-                query.device,
-                lambda: attention_core.attend(module, *projected, batch_dim, bound),
-            )
-        else:
-            attended, weights = replayed(
-                before,
-                query.device,
-                lambda: functional_call(
-                    module, _identity_projections(module), projected, bound
-                ),
-            )
-            attended = attention_core.sequence_first(attended, batch_dim)
-        # sequence first, as the module applies it: its output is then laid out
-        # in memory as the module's, and a dropout after it draws the same mask
-        attn_output = F.linear(attended, module.out_proj.weight, module.out_proj.bias)
-        sequence_dim = None if batch_dim is None else 1
-        uses.append(
-            Use(
-                "out_proj",
-                _batch_first(attended, sequence_dim),
-                attn_output,
-                None,
-                sequence_dim,
-            )
-        )
-        # back to the module's layout (the swap is its own inverse)
-        output = attention_core.sequence_first(attn_output, batch_dim)
-        return uses, (output, weights)
+        return _ExposedAttention(module)
 
     def use_input_rows(self, module: Module, use: Use, kfac_approx: str) -> Tensor:
         """Return the rows of a projection's input, with its slot's bias column.
@@ -255,6 +190,64 @@ def _batch_first(x: Tensor, batch_dim: int | None) -> Tensor:
     """
     x = x.detach()
     return x.unsqueeze(0) if batch_dim is None else x.movedim(batch_dim, 0)
+
+
+class _ExposedAttention(CallCapture):
+    """Computes a module's `multi_head_attention_forward` with the projections exposed.
+
+    Args:
+        module: The attention module whose call this captures.
+    """
+
+    def __init__(self, module: MultiheadAttention) -> None:
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
+        """Expose the module's attention call; run everything else as is."""
+        kwargs = kwargs or {}
+        if func is not F.multi_head_attention_forward:
+            return func(*args, **kwargs)
+        call = _FUNCTIONAL.bind(*args, **kwargs).arguments
+        module = self.module
+        own = call["out_proj_weight"] is module.out_proj.weight and all(
+            call.get(name) is getattr(module, name) for name in _PROJECTIONS
+        )
+        tensors = [call[name] for name in _INPUTS] + list(module.parameters())
+        if not own or not any(t.requires_grad for t in tensors):
+            return func(*args, **kwargs)  # another module's weights, or no graph
+        return _exposed_attention(module, func, call, self.uses)
+
+
+@torch.compiler.disable
+def _exposed_attention(
+    module: MultiheadAttention, func: Any, call: dict[str, Any], uses: list[Use]
+) -> tuple[Tensor, Tensor | None]:
+    """Compute `multi_head_attention_forward` with the projections' uses recorded.
+
+    Args:
+        module: The attention module.
+        func: `torch.nn.functional.multi_head_attention_forward`.
+        call: Its arguments by name (sequence first: the module has transposed
+            batch-first inputs).
+        uses: Receives the projections' uses.
+
+    Returns:
+        `(attn_output, attn_weights)` as `func` returns them.
+    """
+    query, key, value = (call.pop(name) for name in _INPUTS)
+    batch_dim = 1 if query.dim() == 3 else None
+    projected = _project(module, query, key, value, batch_dim, uses)
+    if attention_core.direct(call):
+        weights = None
+        attended = attention_core.attend(*projected, batch_dim, call)
+    else:
+        attended, weights = func(*projected, **{**call, **_identity_projections(call)})
+    attn_output = F.linear(attended, module.out_proj.weight, module.out_proj.bias)
+    uses.append(
+        Use("out_proj", _batch_first(attended, batch_dim), attn_output, None, batch_dim)
+    )
+    return attn_output, weights
 
 
 def _project(
@@ -317,27 +310,25 @@ def _project(
     )
 
 
-def _identity_projections(module: MultiheadAttention) -> dict[str, Tensor]:
-    """Return identity weights and zero biases for every projection parameter.
+def _identity_projections(call: dict[str, Any]) -> dict[str, Any]:
+    """Return identity weights and zero biases for the projections of a call.
 
     Args:
-        module: The attention module.
+        call: The arguments of `multi_head_attention_forward` by name.
 
     Returns:
-        Substitutes for `torch.func.functional_call`, by parameter name.
+        Substitutes by argument name: the call then attends between its inputs
+        as they are and returns the heads' outputs merged.
     """
-    E = module.embed_dim
-    reference = module.out_proj.weight
+    reference = call["out_proj_weight"]
+    E = reference.shape[0]
     eye = torch.eye(E, dtype=reference.dtype, device=reference.device)
-    substitutes = {"out_proj.weight": eye}
-    if module._qkv_same_embed_dim:
-        substitutes["in_proj_weight"] = eye.repeat(3, 1)
-    else:
+    substitutes: dict[str, Any] = {"out_proj_weight": eye}
+    if call.get("use_separate_proj_weight", False):
         substitutes.update({f"{name}_proj_weight": eye for name in "qkv"})
-    for name, bias in (
-        ("in_proj_bias", module.in_proj_bias),
-        ("out_proj.bias", module.out_proj.bias),
-    ):
-        if bias is not None:
-            substitutes[name] = torch.zeros_like(bias, requires_grad=False)
+    else:
+        substitutes["in_proj_weight"] = eye.repeat(3, 1)
+    for name, substitute in (("in_proj_bias", 3 * E), ("out_proj_bias", E)):
+        if call.get(name) is not None:
+            substitutes[name] = reference.new_zeros(substitute)
     return substitutes

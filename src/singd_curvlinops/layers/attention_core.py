@@ -29,54 +29,48 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor
-from torch.nn import MultiheadAttention
 from torch.nn import functional as F
 
 
-def direct(module: MultiheadAttention, call: dict[str, Any]) -> bool:
+def direct(call: dict[str, Any]) -> bool:
     """Return whether `attend` computes this call's attention.
 
     Args:
-        module: The attention module.
-        call: The call's arguments by name, without the query, key and value.
+        call: The arguments of `multi_head_attention_forward` by name.
 
     Returns:
-        True for `need_weights=False` without `bias_k`, `bias_v` and
-        `add_zero_attn`.
+        True for `need_weights=False` without `bias_k`, `bias_v`, zero attention
+        and static keys or values.
     """
     return (
         call.get("need_weights", True) is False
-        and module.bias_k is None
-        and module.bias_v is None
-        and not module.add_zero_attn
+        and not call.get("add_zero_attn", False)
+        and all(
+            call.get(name) is None
+            for name in ("bias_k", "bias_v", "static_k", "static_v")
+        )
     )
 
 
 def attend(
-    module: MultiheadAttention,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    batch_dim: int | None,
-    call: dict[str, Any],
+    q: Tensor, k: Tensor, v: Tensor, batch_dim: int | None, call: dict[str, Any]
 ) -> Tensor:
-    """Return the heads' attention outputs, merged, sequence first.
+    """Return the heads' attention outputs, merged.
 
     Args:
-        module: The attention module (a call that is `direct`).
-        q: Projected queries, `[L, B, E]`, `[B, L, E]` (batch first) or `[L, E]`.
-        k: Projected keys, in the same layout with `S` positions.
+        q: Projected queries, `[L, B, E]` or unbatched `[L, E]`.
+        k: Projected keys, `[S, B, E]` or `[S, E]`.
         v: Projected values, like `k`.
-        batch_dim: The batch dimension of the layout (None: unbatched).
-        call: The call's arguments by name, without the query, key and value.
+        batch_dim: 1, or None for unbatched inputs.
+        call: The arguments of `multi_head_attention_forward` by name (a call
+            that is `direct`).
 
     Returns:
-        The input of the output projection, sequence first: `[L, B, E]`, or
-        `[L, E]` unbatched.
+        The input of the output projection, `[L, B, E]` or `[L, E]`.
     """
-    q, k, v = (_batched(sequence_first(t, batch_dim), batch_dim) for t in (q, k, v))
+    q, k, v = (_batched(t, batch_dim) for t in (q, k, v))
     length, batch, width = q.shape
-    heads = module.num_heads
+    heads = call["num_heads"]
     mask, is_causal = _mask(
         call.get("attn_mask"),
         call.get("key_padding_mask"),
@@ -84,7 +78,7 @@ def attend(
         (batch, heads, length, k.shape[0]),
         q,
     )
-    dropout = module.dropout if module.training else 0.0
+    dropout = call["dropout_p"] if call.get("training", True) else 0.0
     out = F.scaled_dot_product_attention(
         *(_split_heads(t, batch, heads) for t in (q, k, v)),
         mask,
@@ -95,31 +89,12 @@ def attend(
     return merged.squeeze(1) if batch_dim is None else merged
 
 
-def sequence_first(x: Tensor, batch_dim: int | None) -> Tensor:
-    """Swap a batch-first tensor's first two dimensions; leave others as they are.
-
-    The module computes sequence first; with `batch_first=True` it transposes its
-    inputs and its output. The swap is its own inverse: it also brings a
-    sequence-first result into the module's layout.
-
-    Args:
-        x: `[B, L, E]` or `[L, B, E]` (`batch_dim` 0 or 1: the module's layout,
-            or the other, sequence-first one), or unbatched `[L, E]` (None).
-        batch_dim: The batch dimension of the module's layout.
-
-    Returns:
-        A view of `x` with its first two dimensions swapped if `batch_dim` is 0;
-        otherwise `x`.
-    """
-    return x.transpose(0, 1) if batch_dim == 0 else x
-
-
 def _batched(x: Tensor, batch_dim: int | None) -> Tensor:
     """Return a sequence-first tensor with a batch dimension (of one if unbatched).
 
     Args:
         x: `[L, B, E]`, or unbatched `[L, E]`.
-        batch_dim: The batch dimension of the module's layout.
+        batch_dim: 1, or None for unbatched inputs.
 
     Returns:
         `[L, B, E]`.

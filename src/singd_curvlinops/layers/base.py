@@ -119,7 +119,8 @@ class LayerAdapter(ABC):
         transposed: Whether the default slot's weight is stored `[d_in, d_out]`.
         one_hot: Whether the default slot's inputs are one-hot rows.
         needs_before_forward: Whether `before_forward` must run before each
-            collecting forward call.
+            collecting forward call (the forward hook then also runs when the
+            call raises, so that what `before_forward` entered is left).
         unbatched_dims: The number of dimensions of an unbatched input (one
             example, as `torch.nn` accepts it: `[d_in]` for a linear layer,
             `[C, H, W]` for a convolution); None: the adapter has none.
@@ -294,7 +295,8 @@ class LayerAdapter(ABC):
             kwargs: Keyword arguments of the call.
 
         Returns:
-            Anything; None by default.
+            Anything; None by default. An entered `capture.CallCapture` is left
+            by the collector after the call, also when the call raises.
         """
         return None
 
@@ -309,9 +311,10 @@ class LayerAdapter(ABC):
         """Return the slot applications of a forward call, and a replacement output.
 
         Called when the module's statistics are collected in this pass. An adapter
-        whose module applies a slot where no hook can reach it may recompute the
-        module's output with the applications exposed, and return that output
-        in place of the original (it must be the same function of the inputs).
+        whose module applies a slot where no hook can reach it exposes the
+        applications during the call (`capture.CapturingAdapter`), or computes
+        the module's output again with them exposed and returns that output in
+        place of the original (it must be the same function of the inputs).
 
         Args:
             module: The layer, after its forward call.

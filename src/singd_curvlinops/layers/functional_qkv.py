@@ -10,13 +10,11 @@ module, which is an ordinary linear layer then, and this adapter leaves them.)
 The adapter makes `qkv` a **weight-only** slot, \(y = W x\) on the rows
 `[B, N, C]` of the attention's input, which is what the weight sees: the biases
 are added after it and go to the fallback rule with the other parameters. On
-passes that collect statistics `forward_uses` runs the module's `forward` again
-with the one `F.linear` call with `qkv.weight` intercepted (`linear_calls`): it
-records the call's input and output and hands the product on;
-the recomputed output replaces the original one, and dropout's random state is
-replayed (`replay`), as for torchvision's Swin attention (`window_attention`).
-`proj` is called as a module: a linear layer of its own, whose statistics come
-from the recomputed call (the original call's output gets no gradient).
+passes that collect statistics the module's own call runs with the one
+`F.linear` call with `qkv.weight` intercepted (`linear_calls.LinearCalls`, a
+`capture.CallCapture`): it records the call's input and output and hands the
+product on, as for torchvision's Swin attention (`window_attention`). `proj` is
+called as a module: a linear layer of its own.
 
 **timm's Swin V2** (`swin_transformer_v2.WindowAttention`) applies its `qkv`
 the same way, on windows `[B n_W, N, C]` (one window is one example, as for its
@@ -53,7 +51,7 @@ from torch.nn import functional as F
 
 from singd_curvlinops import statistics
 from singd_curvlinops.layers.base import Slot, Use
-from singd_curvlinops.layers.linear_calls import Apply, RecomputingAdapter
+from singd_curvlinops.layers.linear_calls import Apply, LinearCallsAdapter
 from singd_curvlinops.layers.matching import plain_forward
 
 _CLASSES = (
@@ -120,7 +118,7 @@ def _class(name: tuple[str, str]) -> type[Module] | None:
     return getattr(sys.modules.get(name[0]), name[1], None)
 
 
-class FunctionalQKVAdapter(RecomputingAdapter):
+class FunctionalQKVAdapter(LinearCallsAdapter):
     """timm's BEiT, EVA and Swin V2 attention: a weight-only `qkv` (module docs)."""
 
     description = "timm's BEiT / EVA / Swin V2 attention (qkv applied with F.linear)"
@@ -192,18 +190,6 @@ class FunctionalQKVAdapter(RecomputingAdapter):
             `(qkv,)`.
         """
         return (module.qkv,)
-
-    def draws_random(self, module: Module) -> bool:
-        """Return whether the call draws dropout masks.
-
-        Args:
-            module: The attention module.
-
-        Returns:
-            Whether it trains with attention or output dropout.
-        """
-        drops = (getattr(module, name, None) for name in ("attn_drop", "proj_drop"))
-        return module.training and any(getattr(d, "p", 0.0) for d in drops)
 
     def exposed(
         self, module: Module, x: Tensor

@@ -1,15 +1,13 @@
-r"""Recomputing a module with the `F.linear` calls of its slots exposed.
+r"""Exposing the `F.linear` calls of a module's slots during the module's own call.
 
 Some modules apply a child's weight themselves, `F.linear(x, child.weight, b)`,
 where no hook of the child sees it (torchvision's Swin attention, timm's BEiT
-and EVA attention). Their adapters recompute the module's output on collecting
-passes under `LinearCalls`, a `torch.overrides.TorchFunctionMode` that hands
-exactly the calls with a slot's weight to the adapter (which applies the slot
-and records its use) and runs everything else as is; `recompute` replays the
-call's random state (`replay`), so that dropout draws the same masks.
-`RecomputingAdapter` is the base class of such adapters: they name the calls'
-weights and how to apply them (`exposed`), and whether the module draws random
-numbers (`draws_random`).
+and EVA attention). Their adapters enter `LinearCalls` for the duration of a
+collecting call (`capture.CallCapture`): a torch function mode that hands exactly
+the calls with a slot's weight to the adapter, which applies the slot and
+records its use, and runs everything else as is. `LinearCallsAdapter` is the
+base class of such adapters: they name the calls' weights and how to apply them
+(`exposed`).
 """
 
 from __future__ import annotations
@@ -17,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
-from singd_curvlinops.layers.base import LayerAdapter, Slot, Use
-from singd_curvlinops.layers.replay import random_state, replayed
+from singd_curvlinops.layers.base import Slot, Use
+from singd_curvlinops.layers.capture import CallCapture, CapturingAdapter
 
 Apply = Callable[[str, Tensor, Tensor, Tensor | None], Tensor]
 
@@ -54,19 +52,24 @@ def weight_dims(slot: Slot) -> tuple[int, int]:
     return d_in, d_out
 
 
-class LinearCalls(TorchFunctionMode):
+class LinearCalls(CallCapture):
     """Hand the `F.linear` calls with a slot's weight to `apply`.
 
     Args:
         weights: Per slot name, its weight.
         apply: `(name, x, weight, bias) -> output`, called instead of
-            `F.linear` (the mode is off inside it).
+            `F.linear` (the mode is off inside it); it appends the call's use to
+            `uses`.
+        uses: The list `apply` appends to.
     """
 
-    def __init__(self, weights: Mapping[str, Tensor], apply: Apply) -> None:
+    def __init__(
+        self, weights: Mapping[str, Tensor], apply: Apply, uses: list[Use]
+    ) -> None:
         super().__init__()
         self.weights = dict(weights)
         self.apply = apply
+        self.uses = uses
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: PLW3201
         """Intercept `F.linear` with a slot's weight; run everything else as is."""
@@ -77,40 +80,35 @@ class LinearCalls(TorchFunctionMode):
             for name, slot_weight in self.weights.items():
                 if weight is slot_weight:
                     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                    return self.apply(name, x, weight, bias)
+                    return _exposed(self.apply, name, x, weight, bias)
         return func(*args, **kwargs)
 
 
-def recompute(
-    module: Module, args: tuple, kwargs: dict[str, Any], before: Any, calls: LinearCalls
-) -> Any:
-    """Run the module's `forward` again under `calls`, with its random state replayed.
+@torch.compiler.disable
+def _exposed(
+    apply: Apply, name: str, x: Tensor, weight: Tensor, bias: Tensor | None
+) -> Tensor:
+    """Run `apply` eagerly, also under `torch.compile` (`capture`).
 
     Args:
-        module: The module.
-        args: Positional arguments of the original call.
-        kwargs: Keyword arguments of the original call.
-        before: The random state before the original call (`replay.random_state`),
-            or None without randomness.
-        calls: The mode that exposes the slots' `F.linear` calls.
+        apply: The adapter's application of a slot.
+        name: The slot.
+        x: The call's input.
+        weight: The slot's weight.
+        bias: The call's bias.
 
     Returns:
-        The recomputed output.
+        The product.
     """
-    device = call_input(args, kwargs).device
-    with calls:
-        return replayed(before, device, lambda: module.forward(*args, **kwargs))
+    return apply(name, x, weight, bias)
 
 
-class RecomputingAdapter(LayerAdapter):
+class LinearCallsAdapter(CapturingAdapter):
     """An adapter whose module applies its slots' weights with `F.linear` itself.
 
-    Subclasses define `exposed` and `draws_random`; on collecting passes the
-    module's output is recomputed with the slots' calls handed to `exposed`'s
-    `apply`, which records their uses.
+    Subclasses define `exposed`; on collecting passes the module's call runs
+    under `LinearCalls`, which hands the slots' calls to `exposed`'s `apply`.
     """
-
-    needs_before_forward = True
 
     def exposed(
         self, module: Module, x: Tensor
@@ -118,23 +116,12 @@ class RecomputingAdapter(LayerAdapter):
         """Return the slots' weights, how to apply them, and the list of uses.
 
         Args:
-            module: The module, after its forward call.
+            module: The module, before its forward call.
             x: The call's input.
 
         Returns:
             `(weights, apply, uses)`: per slot name its weight; `apply` as for
             `LinearCalls`, which appends each call's use to `uses`.
-        """
-        raise NotImplementedError
-
-    def draws_random(self, module: Module) -> bool:
-        """Return whether a call of the module draws random numbers (dropout).
-
-        Args:
-            module: The module.
-
-        Returns:
-            Whether `before_forward` must keep the random state.
         """
         raise NotImplementedError
 
@@ -150,44 +137,15 @@ class RecomputingAdapter(LayerAdapter):
         """
         return weight_dims(slot)
 
-    def before_forward(self, module: Module, args: tuple, kwargs: dict) -> Any:
-        """Return the random state before a call that draws random numbers.
+    def capture(self, module: Module, args: tuple, kwargs: dict) -> LinearCalls:
+        """Return the mode that hands the slots' `F.linear` calls to `exposed`.
 
         Args:
-            module: The module.
+            module: The module, before its forward call.
             args: Positional arguments of the call.
             kwargs: Keyword arguments of the call.
 
         Returns:
-            The random state (`replay.random_state`), or None.
+            The capture.
         """
-        if not self.draws_random(module):
-            return None
-        return random_state(call_input(args, kwargs).device)
-
-    def forward_uses(
-        self,
-        module: Module,
-        args: tuple,
-        kwargs: dict[str, Any],
-        output: Any,
-        before: Any,
-    ) -> tuple[list[Use], Any]:
-        """Recompute the output with the slots' `F.linear` calls exposed.
-
-        Args:
-            module: The module, after its forward call.
-            args: Positional arguments of the call.
-            kwargs: Keyword arguments of the call.
-            output: The module's output.
-            before: The random state from `before_forward`.
-
-        Returns:
-            The slots' uses and the recomputed output (none without a graph).
-        """
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            return [], None
-        weights, apply, uses = self.exposed(module, call_input(args, kwargs))
-        return uses, recompute(
-            module, args, kwargs, before, LinearCalls(weights, apply)
-        )
+        return LinearCalls(*self.exposed(module, call_input(args, kwargs)))

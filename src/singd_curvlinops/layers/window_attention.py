@@ -18,16 +18,14 @@ layer applied to a sequence (curvlinops' convention for such a layer; padded
 positions are rows too, as the module computes them). The output is unchanged:
 the products are the same rows.
 
-**Mechanism.** On passes that collect statistics, `forward_uses` runs the
-module's `forward` again under a `torch.overrides.TorchFunctionMode`
-(`linear_calls`) that intercepts exactly the two `F.linear` calls whose weight
-is `qkv.weight` or `proj.weight`: it applies them to the regrouped rows,
+**Mechanism.** On passes that collect statistics, the module's own call runs
+under a `torch.overrides.TorchFunctionMode` (`linear_calls.LinearCalls`, a
+`capture.CallCapture`) that intercepts exactly the two `F.linear` calls whose
+weight is `qkv.weight` or `proj.weight`: it applies them to the regrouped rows,
 records their input and output, and hands the product on in the module's
-layout. The recomputed output replaces the original one (whose graph is
-dropped); with dropout, the random state of the original call is replayed
-(`replay`). Outputs and gradients equal the unmodified module's (tested to 1e-12
-in float64). The cost: the attention's forward runs twice on collecting passes
-(every `T` steps).
+layout. Nothing runs twice, and dropout draws its masks as without the
+optimizer. Outputs and gradients equal the unmodified module's (tested to 1e-12
+in float64).
 
 **Swin V2.** `ShiftedWindowAttentionV2` applies the same two weights, with two
 differences that change what its `qkv` is as a layer:
@@ -52,8 +50,8 @@ differences that change what its `qkv` is as a layer:
 
 `proj` is as in V1. The continuous position bias (`cpb_mlp`) is a model of its
 own (linear layers on the coordinate table, see the layers guide on layers that
-see no batch); the recomputation runs it again, and only the recomputed call
-gets gradients.
+see no batch); it runs once per call, under the capture, which leaves its
+`F.linear` calls alone.
 
 **timm's Swin V2** (`timm.models.swin_transformer_v2.WindowAttention`) has the
 same two properties, but its windows reach the module already cut, with the
@@ -73,7 +71,7 @@ from torch.nn import functional as F
 
 from singd_curvlinops import statistics
 from singd_curvlinops.layers.base import Slot, Use
-from singd_curvlinops.layers.linear_calls import Apply, RecomputingAdapter
+from singd_curvlinops.layers.linear_calls import Apply, LinearCallsAdapter
 from singd_curvlinops.layers.matching import plain_forward
 
 _SWIN = "torchvision.models.swin_transformer"
@@ -106,7 +104,7 @@ def _is_v2(module: Module) -> bool:
     return swin is not None and isinstance(module, swin.ShiftedWindowAttentionV2)
 
 
-class ShiftedWindowAttentionAdapter(RecomputingAdapter):
+class ShiftedWindowAttentionAdapter(LinearCallsAdapter):
     """torchvision's Swin window attention, V1 and V2: `qkv`, `proj` (module docs)."""
 
     description = "torchvision's ShiftedWindowAttention (Swin V1 and V2)"
@@ -176,17 +174,6 @@ class ShiftedWindowAttentionAdapter(RecomputingAdapter):
             `(qkv, proj)`.
         """
         return tuple(getattr(module, name) for name in _SLOTS)
-
-    def draws_random(self, module: Module) -> bool:
-        """Return whether the call draws dropout masks.
-
-        Args:
-            module: The attention module.
-
-        Returns:
-            Whether it trains with attention or output dropout.
-        """
-        return module.training and bool(module.attention_dropout or module.dropout)
 
     def exposed(
         self, module: Module, x: Tensor

@@ -22,8 +22,11 @@ from torch.nn import Module
 def own_parameters(module: Module, entries: Sequence[Any]) -> bool:
     """Return whether a module holds the parameters its layers were resolved with.
 
+    FSDP2 swaps a sharded parameter (a `DTensor`) for its unsharded copy while
+    the parameter's unit runs (`unsharded`): that copy counts as the parameter.
+
     Args:
-        module: The module, during a forward call.
+        module: The module, during a forward call (or just before it).
         entries: Its collector entries (each with `site.slot`).
 
     Returns:
@@ -32,11 +35,42 @@ def own_parameters(module: Module, entries: Sequence[Any]) -> bool:
     current = {slot.name: slot for slot in entries[0].site.adapter.slots(module)}
     for entry in entries:
         slot = current.get(entry.site.slot.name)
-        if slot is None or slot.weight is not entry.site.slot.weight:
+        if slot is None or not unsharded(slot.weight, entry.site.slot.weight):
             return False
-        if slot.bias is not entry.site.slot.bias:
+        if not unsharded(slot.bias, entry.site.slot.bias):
             return False
     return True
+
+
+def unsharded(current: Tensor | None, registered: Tensor | None) -> bool:
+    """Return whether `current` is `registered`, or FSDP2's unsharded copy of it.
+
+    While an FSDP2 unit runs its forward pass, the modules inside it hold plain
+    tensors of the full shape in place of their sharded parameters; the unit's
+    hooks swap the `DTensor`s back afterwards. A layer whose module is the unit
+    itself is seen before the swap back only by hooks that run earlier than
+    FSDP2's; a layer inside a larger unit (a Transformer block sharded as one,
+    the usual wrapping) sees the copies throughout its call.
+
+    Args:
+        current: The module's parameter now (or None).
+        registered: The parameter the layer was resolved with (or None).
+
+    Returns:
+        True if they are the same tensor, or `registered` is a `DTensor` and
+        `current` a plain tensor of its (global) shape and dtype (so a
+        `functional_call` with such tensors on a sharded model would collect;
+        curvlinops' products, the reason for the check, do not run on one).
+    """
+    if current is registered:
+        return True
+    return (
+        isinstance(registered, DTensor)
+        and isinstance(current, Tensor)
+        and not isinstance(current, DTensor)
+        and current.shape == registered.shape
+        and current.dtype == registered.dtype
+    )
 
 
 def hook_gradient(output: Tensor, hook: Callable[[Tensor], None]) -> None:

@@ -35,7 +35,15 @@ BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batc
 STEPS = 6
 TOLERANCE = 1e-10
 # classes per model ("two": 2 output rows on 3 ranks, an empty FSDP2 shard)
-CLASSES = {"three": 60, "two": 2, "norm": 60, "tied": 30, "embed": 30}
+CLASSES = {
+    "three": 60,
+    "two": 2,
+    "norm": 60,
+    "tied": 30,
+    "embed": 30,
+    "block": 60,
+    "attention": 12,
+}
 TOKENS = 5  # positions per sequence of the "tied" and "embed" models
 SEQUENCES = ("tied", "embed")  # the models that read token sequences
 SPARSE = {
@@ -69,7 +77,12 @@ class Case:
             (Conv2d 2→3, Linear 48→2), `"norm"` (`"three"` with a LayerNorm
             before the first Linear: fallback parameters), `"tied"` (an
             Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout) or
-            `"embed"` (the same without the tie: BERT's and Llama's layout).
+            `"embed"` (the same without the tie: BERT's and Llama's layout),
+            `"block"` (`"three"` with its two Linears in one child: one FSDP2
+            unit holding two layers, as a Transformer block is wrapped) or
+            `"attention"` (the image's rows as 16 tokens of 8 features, an
+            `nn.TransformerEncoderLayer`, an `nn.MultiheadAttention` that FSDP2
+            shards as a unit of its own, mean over tokens, Linear 8→12).
         dtype: The model's and the data's dtype.
         device: The model's and the data's device (the GPU checks of
             `.ci/gpu/dist_check.py` train the same cases on `"cuda"`).
@@ -91,8 +104,30 @@ class LastPosition(nn.Module):
         return X[:, -1]
 
 
+class SelfAttention(nn.Module):
+    """`nn.MultiheadAttention` on `(x, x, x)`, its output only."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, X: Tensor) -> Tensor:
+        return self.attn(X, X, X, need_weights=False)[0]
+
+
+class MeanTokens(nn.Module):
+    """The mean over a sequence's positions."""
+
+    def forward(self, X: Tensor) -> Tensor:
+        return X.mean(1)
+
+
 def build_model(name: str) -> nn.Sequential:
     torch.manual_seed(0)
+    if name == "attention":
+        encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        body = [nn.Flatten(1, 2), encoder, SelfAttention(8, 2), MeanTokens()]
+        return nn.Sequential(*body, nn.Linear(8, CLASSES[name])).double()
     if name in SEQUENCES:  # tokens → Embedding → Linear → head (tied or not)
         embed = nn.Embedding(CLASSES[name], 8)
         head = nn.Linear(8, CLASSES[name], bias=False)
@@ -108,6 +143,10 @@ def build_model(name: str) -> nn.Sequential:
             nn.Linear(48, 24),
             nn.ReLU(),
             nn.Linear(24, CLASSES["norm"]),
+        ]
+    elif name == "block":  # one child: one FSDP2 unit
+        tail = [
+            nn.Sequential(nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, CLASSES["block"]))
         ]
     else:
         tail = [nn.Linear(48, 24), nn.ReLU(), nn.Linear(24, CLASSES["three"])]
@@ -179,6 +218,9 @@ def wrap(case: Case, model: nn.Module) -> nn.Module:
     if case.wrap.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
+        for attention in model.modules():  # a unit of its own inside its child's
+            if isinstance(attention, nn.MultiheadAttention):
+                fully_shard(attention)
         for layer in model:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer)

@@ -70,6 +70,13 @@ CASES_W2 = {
     "fsdp_ikfac": Case(IKFAC, "fsdp"),
     "fsdp_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
     "fsdp_accumulate": Case(SPARSE, "fsdp_accumulate"),
+    # layers inside a larger FSDP2 unit, and attention sharded as a unit: before
+    # 2026-12-04 their statistics were silently dropped, or wrong
+    "fsdp_block": Case(DENSE, "fsdp", model="block"),
+    "fsdp_block_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="block"),
+    "fsdp_attention": Case(DENSE, "fsdp", model="attention"),
+    "fsdp_attention_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="attention"),
+    "fsdp_attention_replicate": Case(SPARSE, "fsdp", "replicate", model="attention"),
     # the AdamW fallback of whole-model training (issue 13) next to the layers
     "fallback_replicate": Case(DENSE, distribute="replicate", model="norm"),
     "fallback_shard": Case(DENSE, model="norm"),

@@ -472,3 +472,45 @@ def test_a_call_that_raises_leaves_no_capture_behind() -> None:
     assert torch._C._len_torch_function_stack() == 0
     model(x, memory, need_weights=False).backward()  # collects as before
     assert optimizer._collector.pending, "no statistics were collected"
+
+
+ALIASES = {
+    "same": lambda t: t,
+    "view": lambda t: t.view_as(t),
+    "detached": torch.detach,
+}
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_inputs_that_alias_one_tensor_are_self_attention(alias: str) -> None:
+    """`attn(x, a(x), a(x))` with `a(x)` aliasing `x`: one packed use, own gradients.
+
+    FSDP2's pre-forward hook hands an attention unit its inputs this way; before,
+    the adapter took them for cross-attention (three uses, no cross terms in `G`).
+    Each input keeps its own gradient path: with detached keys and values no
+    gradient reaches `x` through them, as without the optimizer.
+    """
+    results = []
+    for hooked, make in (
+        (True, ALIASES[alias]),
+        (False, ALIASES[alias]),
+        (True, ALIASES["same"]),
+    ):
+        torch.manual_seed(0)
+        model = nn.MultiheadAttention(E, HEADS, batch_first=True).double()
+        optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd") if hooked else None
+        x, _ = _inputs(batch_first=True)
+        out = model(x, make(x), make(x), need_weights=False)[0]
+        out.square().sum().backward()
+        grads = [x.grad, *(p.grad for p in model.parameters())]
+        if optimizer is not None:
+            optimizer.step()
+            grads.append([kfac_factors(optimizer, layer) for layer in optimizer.layers])
+        results.append((out, grads))
+    (out, grads), (out_plain, grads_plain), (_, grads_self) = results
+    torch.testing.assert_close(out, out_plain, rtol=0, atol=1e-12)
+    for g, g_plain in zip(grads[:-1], grads_plain, strict=True):
+        torch.testing.assert_close(g, g_plain, rtol=0, atol=1e-12)
+    for pair, pair_self in zip(grads[-1], grads_self[-1], strict=True):
+        for factor, factor_self in zip(pair, pair_self, strict=True):
+            torch.testing.assert_close(factor, factor_self, rtol=1e-12, atol=1e-15)

@@ -13,7 +13,8 @@ the hooks of `out_proj` never run. The adapter treats the module as a holder of
 (`in_proj_bias` is a bias-only slot when the projection weights are separate.)
 
 A projection's statistics are those of a linear layer on the inputs it is applied
-to. In self-attention (`query is key is value`) the packed projection is one
+to. In self-attention (`query is key is value`, or the three alias one tensor,
+`_aliases`) the packed projection is one
 linear map of the input, \([q\; k\; v] = x W_\text{in}^\top + b_\text{in}\). In
 cross-attention its query rows and key/value rows act on different inputs: each
 application is a *use* of the packed weight that covers some of its output rows
@@ -292,21 +293,75 @@ def _project(
                 uses.append(Use("in_proj_bias", None, y, rows, batch_dim))
             projected.append(y)
         return tuple(projected)
-    part = (lambda t, rows: None) if b is None else (lambda t, rows: t[rows])
-    if query is key and key is value:  # self-attention: one packed product
-        return apply("in_proj", query, W, b, None).chunk(3, dim=-1)
-    if key is value:  # encoder-decoder attention: query rows, then key-value rows
-        q_rows, kv_rows = slice(0, E), slice(E, 3 * E)
-        q = apply("in_proj", query, W[q_rows], part(b, q_rows), q_rows)
-        kv = apply("in_proj", key, W[kv_rows], part(b, kv_rows), kv_rows)
-        return (q, *kv.chunk(2, dim=-1))
-    return tuple(
-        apply("in_proj", x, W[rows], part(b, rows), rows)
-        for x, rows in zip(
-            (query, key, value),
-            (slice(0, E), slice(E, 2 * E), slice(2 * E, 3 * E)),
-            strict=True,
-        )
+
+    def packed(inputs: tuple[Tensor, ...], start: int) -> Tensor:
+        """Project inputs that alias one tensor with rows `start E …`: one use."""
+        rows = slice(start * E, (start + len(inputs)) * E)
+        whole = rows == slice(0, 3 * E)
+        if all(t is inputs[0] for t in inputs):  # one product
+            weight = W if whole else W[rows]
+            bias = b if whole or b is None else b[rows]
+            y = F.linear(inputs[0], weight, bias)
+        else:  # distinct for autograd (FSDP2's hook): one product each, as the module
+            thirds = range(start, start + len(inputs))
+            y = torch.cat(
+                [
+                    F.linear(t, W[i * E : (i + 1) * E], _rows(b, i, E))
+                    for t, i in zip(inputs, thirds, strict=True)
+                ],
+                dim=-1,
+            )
+        x = _batch_first(inputs[0], batch_dim)
+        uses.append(Use("in_proj", x, y, None if whole else rows, batch_dim))
+        return y
+
+    if _aliases(query, key) and _aliases(key, value):  # self-attention
+        return packed((query, key, value), 0).chunk(3, dim=-1)
+    if _aliases(key, value):  # encoder-decoder: query rows, then key-value rows
+        return (packed((query,), 0), *packed((key, value), 1).chunk(2, dim=-1))
+    return tuple(packed((x,), i) for i, x in enumerate((query, key, value)))
+
+
+def _rows(bias: Tensor | None, third: int, E: int) -> Tensor | None:
+    """Return one third of a packed bias (None without a bias).
+
+    Args:
+        bias: `in_proj_bias`, `[3 E]`, or None.
+        third: 0 (query), 1 (key) or 2 (value).
+        E: The embedding dimension.
+
+    Returns:
+        `bias[third E : (third + 1) E]`, or None.
+    """
+    return None if bias is None else bias[third * E : (third + 1) * E]
+
+
+def _aliases(a: Tensor, b: Tensor) -> bool:
+    """Return whether two inputs are one tensor: the same object or the same memory.
+
+    A module's forward pre-hook may hand the module distinct tensors for one
+    input passed three times: FSDP2's pre-forward hook passes each input through
+    an autograd function of its own, whose outputs alias the input. Such inputs
+    hold the same numbers, so their projections are one use of the packed weight
+    (the rows and statistics of self-attention), computed as one product per
+    input, as the module computes them, so that each input keeps its own
+    gradient path.
+
+    Args:
+        a: An input of the attention call.
+        b: Another.
+
+    Returns:
+        True for the same tensor, or tensors with the same storage, offset,
+        shape, strides, dtype and device.
+    """
+    return a is b or (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
     )
 
 

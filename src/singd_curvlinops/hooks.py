@@ -46,11 +46,12 @@ def unsharded(current: Tensor | None, registered: Tensor | None) -> bool:
     """Return whether `current` is `registered`, or FSDP2's unsharded copy of it.
 
     While an FSDP2 unit runs its forward pass, the modules inside it hold plain
-    tensors of the full shape in place of their sharded parameters; the unit's
-    hooks swap the `DTensor`s back afterwards. A layer whose module is the unit
-    itself is seen before the swap back only by hooks that run earlier than
-    FSDP2's; a layer inside a larger unit (a Transformer block sharded as one,
-    the usual wrapping) sees the copies throughout its call.
+    tensors of the full shape in place of their sharded parameters; FSDP2's
+    post-forward hook swaps the `DTensor`s back. The optimizer's hooks of a
+    module that is a unit of its own see the copies before the call (FSDP2's
+    pre-forward hook runs first) and the `DTensor`s after it; those of a module
+    inside a larger unit (a Transformer block sharded as one, the usual
+    wrapping) see the copies in both.
 
     Args:
         current: The module's parameter now (or None).

@@ -1,8 +1,11 @@
-"""What the spawned ranks of `test_zoo_sharding.py` run: the zoo's language models.
+"""What the spawned ranks of `test_zoo_sharding.py` run: zoo models on two ranks.
 
-Every rank trains on the zoo's whole fixed batch (the concatenation of equal
-batches has the same mean loss and statistics as one of them), so two ranks
-must end where one process does.
+The language models under DDP and `Shard`; timm's ViT and torchvision's Swin
+under FSDP2 with every Transformer block a unit of its own (the usual wrapping;
+the patch embedding and the head are in the root's unit). Every rank trains on
+the zoo's whole fixed batch (the concatenation of equal batches has the same
+mean loss and statistics as one of them), so two ranks must end where one
+process does.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops import SINGD
@@ -20,6 +24,8 @@ from tests.models.zoo import MODELS
 
 # an untied embedding (Llama), one tied to the output layer (GPT-2), BERT's
 LANGUAGE_MODELS = ("llama", "gpt2", "bert")
+# before 2026-12-04 every layer inside an FSDP2 unit got no statistics
+VISION_MODELS = ("vit_tiny", "swin")
 STRATEGIES = ("shard", "owned")
 STEPS = 2
 
@@ -44,7 +50,38 @@ def train_language_model(
     return params(model)
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The Transformer blocks of timm's ViT and torchvision's Swin."""
+    from timm.models.vision_transformer import Block
+    from torchvision.models.swin_transformer import SwinTransformerBlock
+
+    kinds = (Block, SwinTransformerBlock)
+    return [module for module in model.modules() if isinstance(module, kinds)]
+
+
+def train_vision_model(name: str, steps: int = STEPS) -> list[Tensor]:
+    """Train a zoo vision model in float64 (eval: no dropout or stochastic depth),
+    its blocks FSDP2 units in a process group; one process without a group."""
+    torch.manual_seed(0)
+    model, loss_of = MODELS[name]()
+    model = model.double().eval()
+    model.register_forward_pre_hook(lambda _, args: tuple(a.double() for a in args))
+    net = model
+    if torch.distributed.is_initialized():
+        for block in blocks(model):
+            fully_shard(block)
+        net = fully_shard(model)
+    optimizer = SINGD(net, lr=0.05, T=1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_of(net).backward()
+        optimizer.step()
+    return params(model)
+
+
 def train_w2(results: dict[str, Any], out: Path) -> None:
     for name in LANGUAGE_MODELS:
         for distribute in STRATEGIES:
             results[f"{name}/{distribute}"] = train_language_model(name, distribute)
+    for name in VISION_MODELS:
+        results[f"{name}/fsdp"] = train_vision_model(name)

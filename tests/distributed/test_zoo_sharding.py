@@ -1,10 +1,12 @@
-"""The zoo's language models under `Shard` on two gloo ranks equal one process.
+"""Zoo models on two gloo ranks equal one process.
 
-Llama's untied embedding and GPT-2's and BERT's embeddings tied to their output
-layers, in every sharded form: under `Shard(factors="owned")` an embedding's
-one-hot side keeps only its diagonal and the owner projects each orientation of
-a tied weight (before 2026-12-02 Llama failed in the backward pass and GPT-2
-raised a `ValueError` there).
+The language models under `Shard`: Llama's untied embedding and GPT-2's and
+BERT's embeddings tied to their output layers, in every sharded form: under
+`Shard(factors="owned")` an embedding's one-hot side keeps only its diagonal and
+the owner projects each orientation of a tied weight (before 2026-12-02 Llama
+failed in the backward pass and GPT-2 raised a `ValueError` there). timm's ViT
+and torchvision's Swin under FSDP2 with a unit per block (before 2026-12-04 the
+layers inside the units, and those in the root's, got no statistics).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from tests.distributed.harness import spawn
 from tests.distributed.jobs_zoo import (
     LANGUAGE_MODELS,
     STRATEGIES,
+    VISION_MODELS,
     train_language_model,
+    train_vision_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -43,3 +47,16 @@ def test_two_ranks_equal_one_process(
             assert (p - q).abs().max() <= 1e-10 * max(1.0, q.abs().max().item())
     moved = [(q - p).abs().max().item() for p, q in zip(initial, expected, strict=True)]
     assert min(moved) > 0 and max(moved) > 1e-3  # every parameter trains
+
+
+@pytest.mark.parametrize("name", VISION_MODELS)
+def test_fsdp2_blocks_equal_one_process(w2: list[dict[str, Any]], name: str) -> None:
+    expected = train_vision_model(name)
+    initial = train_vision_model(name, steps=0)
+    for result in w2:
+        actual = result[f"{name}/fsdp"]
+        assert len(actual) == len(expected) == len(initial)
+        for p, q in zip(actual, expected, strict=True):
+            assert (p - q).abs().max() <= 1e-10 * max(1.0, q.abs().max().item())
+    moved = [(q - p).abs().max().item() for p, q in zip(initial, expected, strict=True)]
+    assert max(moved) > 1e-3

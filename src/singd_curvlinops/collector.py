@@ -162,8 +162,9 @@ class StatisticsCollector:
         """Return the entries of a module's call that collect, with their plans.
 
         Calls with parameters other than the layers' own (`torch.func`'s
-        `functional_call`, as in curvlinops' vectorised products or the attention
-        adapter's recomputation) collect nothing.
+        `functional_call`, as in curvlinops' vectorised products) collect
+        nothing; FSDP2's unsharded copies count as the layers' own
+        (`hooks.unsharded`).
 
         Args:
             module: The called module.

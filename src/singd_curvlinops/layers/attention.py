@@ -77,7 +77,7 @@ class MultiheadAttentionAdapter(CapturingAdapter):
 
         Returns:
             True for `MultiheadAttention` and its subclasses that keep its
-            `forward` (the adapter recomputes the module's output from it).
+            `forward` (the adapter's capture relies on the function it calls).
         """
         return isinstance(module, MultiheadAttention) and plain_forward(
             module, MultiheadAttention

@@ -17,11 +17,11 @@ where the additive mask \(M\) combines `attn_mask` and `key_padding_mask` (a
 boolean mask is \(-\infty\) where it is true), or is causal under the
 `is_causal` hint, with attention dropout in training: the same
 `scaled_dot_product_attention` call with the same arguments as
-`torch.nn.functional.multi_head_attention_forward` makes, so that a dropout
-mask drawn here is the one the module drew. Every other call is recomputed by
-running the module with identity projections (`attention`), which costs four
-extra products of the width \(E\) in the forward pass and as many in the
-backward pass.
+`torch.nn.functional.multi_head_attention_forward` makes, so that it draws the
+dropout mask the function would draw. For every other call the adapter runs
+that function itself on the projected tensors with identity projections
+(`attention`), which costs four extra products of the width \(E\) in the
+forward pass and as many in the backward pass.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 r"""Bounds that keep SINGD's steps finite and faithful, computed on the device.
 
-- `peaks`: the largest absolute entry of groups of tensors, from the largest
-  and smallest entry of each (no temporary, also for strided views) and one
-  stack.
-- `finite`: whether tensors hold only finite numbers, as a 0-d boolean tensor.
+- `peaks`: the largest absolute entry of groups of tensors, from one fused
+  reduction of all of them (`abs_peaks`: no temporary, also for strided views)
+  and one stack.
+- `finite`: whether tensors hold only finite numbers, as a 0-d boolean tensor,
+  from the same reduction (`below_overflow`).
 - `lands`: whether \(b - \eta c\) stays finite, from the peaks of \(b\) and \(c\).
 - `trust_region`: the scale of a factor step, with `spectral_norm`, an estimate
   of \(\|m_K\|_2\) (the math is in `trust_region`'s docstring).
@@ -14,6 +15,7 @@ None of them reads a number on the host: the optimizer's guard
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
@@ -37,7 +39,8 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
 
     Returns:
         One 0-d tensor per group, in at least float32 (NaN if the group holds a
-        NaN, infinity if it holds one); a few operations for all groups together.
+        NaN, infinity if it holds one), from one fused reduction of all tensors
+        (`abs_peaks`) and a stack.
     """
     wide = torch.float32
     for group in groups:
@@ -46,8 +49,7 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
     tensors = [t for group in groups for t in group if t.numel()]
     if not tensors:  # (no device to put the zeros on: only empty tensors)
         return [torch.zeros((), dtype=wide) for _ in groups]
-    extremes = [v.to(wide) for t in tensors for v in _extremes(t)]
-    each = torch.stack(extremes).abs_().view(-1, 2).amax(1).unbind()
+    each = abs_peaks(tensors, tensors[0].device, wide).unbind()
     result, start = [], 0
     for group in groups:
         count = sum(1 for t in group if t.numel())
@@ -62,39 +64,65 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
     return result
 
 
-def _extremes(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    """Return the largest and the smallest entry of a non-empty tensor.
+def abs_peaks(
+    tensors: Sequence[Tensor], device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    r"""Return \(\max_i |t_i|\) of each non-empty tensor `t`, stacked.
+
+    One `torch._foreach_norm` of order \(\infty\) reduces all tensors (a
+    multi-tensor kernel on a GPU, where the tensors share a dtype and a device):
+    it reads each tensor once, strided views included, without a temporary, and
+    propagates NaN (the largest absolute entry of the tensor is exact in its
+    dtype).
 
     Args:
-        tensor: The tensor.
+        tensors: Non-empty floating-point tensors.
+        device: The device of the result.
+        dtype: The dtype of the result; it must hold every peak (a float64 peak
+            beyond float32's range would become infinite in float32).
 
     Returns:
-        Two 0-d tensors, from one pass for a contiguous tensor (`aminmax`), from
-        two for a strided view (which `aminmax` would copy first).
+        A tensor `[len(tensors)]`.
     """
-    if tensor.is_contiguous():
-        return tuple(torch.aminmax(tensor))
-    return tensor.amax(), tensor.amin()
+    norms = torch._foreach_norm(list(tensors), math.inf)
+    if any(norm.dtype != norms[0].dtype or norm.device != device for norm in norms):
+        norms = [norm.to(device, dtype) for norm in norms]
+    return torch.stack(norms).to(dtype)
 
 
 def finite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     """Return a 0-d boolean tensor: do all `tensors` hold only finite values?
 
     Args:
-        tensors: Floating-point tensors to check (empty ones pass).
+        tensors: Tensors to check (empty ones and integer ones, such as a step
+            counter, pass).
         device: The device of the result.
 
     Returns:
         True for no tensor; no host synchronisation.
     """
-    extremes = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
-    if not extremes:
+    tensors = [t for t in tensors if t.numel() and t.is_floating_point()]
+    if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
-    # min and max propagate NaN and carry ±inf: two numbers per tensor, stacked
-    # in a dtype that holds each of them (float64 ones would overflow float32)
-    wide = torch.float64 if any(v.dtype == torch.float64 for v in extremes) else None
-    stacked = torch.stack([v.to(device, wide or torch.float32) for v in extremes])
-    return torch.isfinite(stacked).all()
+    # the peaks carry NaN and ±inf, stacked in a dtype that holds each of them
+    # (float64 ones would overflow float32)
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else None
+    return below_overflow(abs_peaks(tensors, device, wide or torch.float32)).all()
+
+
+def below_overflow(peak: Tensor) -> Tensor:
+    """Return whether peaks (absolute values, or NaN) are finite, in one operation.
+
+    `torch.isfinite` takes four: a NaN fails the comparison, and so does
+    infinity.
+
+    Args:
+        peak: Non-negative values or NaN (from `peaks` or `abs_peaks`).
+
+    Returns:
+        A boolean tensor of `peak`'s shape.
+    """
+    return peak <= torch.finfo(peak.dtype).max
 
 
 def lands(

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from singd_curvlinops.bounds import lands, peaks, spectral_norm, trust_region
+from singd_curvlinops.bounds import (
+    below_overflow,
+    lands,
+    peaks,
+    spectral_norm,
+    trust_region,
+)
 from singd_curvlinops.structures import StructuredMatrix
 
 
@@ -174,7 +180,7 @@ def limited_factor_step(
     scale = trust_region(lr, norm)
     for tensor in step:
         tensor.mul_(scale)  # exactly 1 within the region
-    ok = lands(peak_K, peak_step * scale, lr, factor[0].dtype) & torch.isfinite(peak_m)
+    ok = lands(peak_K, peak_step * scale, lr, factor[0].dtype) & below_overflow(peak_m)
     ok = ok if accept is None else ok & accept
     for new, old in zip(new_momentum, momentum, strict=True):
         torch.where(ok, new, old, out=new)

@@ -101,13 +101,39 @@ def finite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     Returns:
         True for no tensor; no host synchronisation.
     """
-    tensors = [t for t in tensors if t.numel() and t.is_floating_point()]
+    return finite_each([list(tensors)], device)[0]
+
+
+def finite_each(
+    groups: Sequence[Sequence[Tensor]], device: torch.device
+) -> list[Tensor]:
+    """Return per group of tensors a 0-d boolean: does it hold only finite values?
+
+    Args:
+        groups: Groups of tensors to check (empty ones and integer ones, such as
+            a step counter, pass).
+        device: The device of the results.
+
+    Returns:
+        One verdict per group (True for a group without a tensor to check), from
+        one reduction of all tensors (`abs_peaks`); no host synchronisation.
+    """
+    checked = [
+        [t for t in group if t.numel() and t.is_floating_point()] for group in groups
+    ]
+    tensors = [t for group in checked for t in group]
+    passed = torch.ones((), dtype=torch.bool, device=device)
     if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
+        return [passed for _ in groups]
     # the peaks carry NaN and ±inf, stacked in a dtype that holds each of them
     # (float64 ones would overflow float32)
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else None
-    return below_overflow(abs_peaks(tensors, device, wide or torch.float32)).all()
+    flags = below_overflow(abs_peaks(tensors, device, wide or torch.float32))
+    verdicts, start = [], 0
+    for group in checked:
+        verdicts.append(flags[start : start + len(group)].all() if group else passed)
+        start += len(group)
+    return verdicts
 
 
 def below_overflow(peak: Tensor) -> Tensor:

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
 from singd_curvlinops._warnings import warn
+from singd_curvlinops.bounds import finite_each
 from singd_curvlinops.distributed.collectives import agree, world_size
 from singd_curvlinops.distributed.fsdp import any_row_shards, is_sharded, local
 from singd_curvlinops.layers import Layer
@@ -192,37 +193,55 @@ class StepGuard:
         self._updates[key] = verdict
 
     def fallback_update(
-        self, param: Parameter, state: dict[str, Any], update: Callable[[], None]
+        self,
+        params: Sequence[Parameter],
+        states: Sequence[dict[str, Any]],
+        update: Callable[[], None],
     ) -> None:
-        """Run a fallback rule's in-place update of a parameter as a checked change.
+        """Run a fallback rule's in-place update of some parameters as checked changes.
 
-        The parameter and its state are copied first (fallback parameters are
+        Each parameter and its state are copied first (fallback parameters are
         few and small: norms, biases, embeddings of positions) and take their
-        previous values back unless all new values are finite.
+        previous values back unless all of their new values are finite; one
+        reduction checks them all (`bounds.finite_each`).
 
         Args:
-            param: The parameter.
-            state: Its state.
-            update: Runs the rule's step.
+            params: The parameters.
+            states: Their states.
+            update: Runs the rule's step of all of them.
         """
-        keys = [key for key in state if key not in COUNTERS]
-        before = {
-            k: state[k].clone() if isinstance(state[k], Tensor) else state[k]
-            for k in keys
-        }
-        old = param.detach().clone()
+        copies = []
+        for param, state in zip(params, states, strict=True):
+            keys = [key for key in state if key not in COUNTERS]
+            before = {
+                k: state[k].clone() if isinstance(state[k], Tensor) else state[k]
+                for k in keys
+            }
+            copies.append((keys, before, param.detach().clone()))
         update()
-        tensors = [k for k in keys if isinstance(before[k], Tensor)]
-        pairs = [(param.detach(), old)] + [(state[k], before[k]) for k in tensors]
-        choices = [(local(new), local(new), local(prev)) for new, prev in pairs]
-        self.parameter_update(
-            param,
-            finite([new for _, new, _ in choices], self.device),
-            partial(choose, choices),
-            defer=isinstance(param, DTensor) and world_size() > 1,
-            state=state,
-            numbers={k: before[k] for k in keys if k not in tensors},
+        changes = []
+        for param, state, (keys, before, old) in zip(
+            params, states, copies, strict=True
+        ):
+            tensors = [k for k in keys if isinstance(before[k], Tensor)]
+            pairs = [(param.detach(), old)] + [(state[k], before[k]) for k in tensors]
+            choices = [(local(new), local(new), local(prev)) for new, prev in pairs]
+            numbers = {k: before[k] for k in keys if k not in tensors}
+            changes.append((param, state, choices, numbers))
+        checks = finite_each(
+            [[new for _, new, _ in c] for _, _, c, _ in changes], self.device
         )
+        for (param, state, choices, numbers), sound in zip(
+            changes, checks, strict=True
+        ):
+            self.parameter_update(
+                param,
+                sound,
+                partial(choose, choices),
+                defer=isinstance(param, DTensor) and world_size() > 1,
+                state=state,
+                numbers=numbers,
+            )
 
     def commit_deferred(self) -> None:
         """Agree on the deferred verdicts (one all-reduce), then apply them.

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.fallback import FALLBACK_RULES, adam_direction
+from singd_curvlinops.rules.fallback import FALLBACK_RULES, adam_directions
 from singd_curvlinops.update import checked_parameter_steps
 
 
@@ -86,11 +87,11 @@ def graft_norm(
         state["graft_step"] = torch.zeros((), dtype=torch.int64)
     if "graft_step" in state:  # (AdamW's bias correction counts grafted steps)
         state["graft_step"].add_(1)
-    direction = adam_direction(
-        grad,
-        state["graft_exp_avg"],
-        state["graft_exp_avg_sq"],
-        step=int(state.get("graft_step", state["step"])),
+    (direction,) = adam_directions(
+        [grad],
+        [state["graft_exp_avg"]],
+        [state["graft_exp_avg_sq"]],
+        steps=[int(state.get("graft_step", state["step"]))],
         betas=group["fallback_betas"],
         eps=group["fallback_eps"],
     )
@@ -197,29 +198,40 @@ def step_fallback(
     params: Iterable[tuple[Parameter, Mapping[str, Any]]],
     state: Mapping[Parameter, dict[str, Any]],
     grad_scale: Tensor | None,
-    checked: Callable[[Parameter, dict[str, Any], Callable[[], None]], None],
+    checked: Callable[
+        [Sequence[Parameter], Sequence[dict[str, Any]], Callable[[], None]], None
+    ],
 ) -> None:
     """Step the parameters that no layer owns with their groups' fallback rules.
+
+    The parameters of one group that are of one kind (`DTensor`s or plain
+    tensors) take their rule's step together, as one batch of `torch._foreach_*`
+    operations; the guard still checks each parameter's update on its own.
 
     Args:
         params: Each parameter with its group.
         state: The optimizer's state.
         grad_scale: The gradients' scale (None: unscaled).
-        checked: Runs one parameter's in-place update (the last argument) as a
-            checked change of the parameter and its state (`StepGuard.checked`).
+        checked: Runs the in-place update of some parameters (the last argument)
+            as checked changes of each parameter and its state
+            (`StepGuard.fallback_update`).
     """
+    batches: dict[tuple[int, bool], tuple[Mapping[str, Any], list, list]] = {}
     for param, group in params:
         if param.grad is None or group["fallback"] is None:
             continue
-        rule = FALLBACK_RULES[group["fallback"]]
         grad = param.grad
         if grad_scale is not None:
             grad = unscale_(grad.clone(), grad_scale)
+        rule = FALLBACK_RULES[group["fallback"]]
         param_state = state[param]
         if any(key not in param_state for key in rule.state_keys):
             param_state.update(rule.init_state(param))  # the fallback changed
-        checked(
-            param,
-            param_state,
-            partial(rule.step, param, grad, param_state, group),
-        )
+        kind = (id(group), isinstance(param, DTensor))
+        _, members, grads = batches.setdefault(kind, (group, [], []))
+        members.append(param)
+        grads.append(grad)
+    for group, members, grads in batches.values():
+        states = [state[param] for param in members]
+        rule = FALLBACK_RULES[group["fallback"]]
+        checked(members, states, partial(rule.step, members, grads, states, group))

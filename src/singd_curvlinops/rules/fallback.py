@@ -27,7 +27,7 @@ moments live under `"graft_exp_avg"`, `"graft_exp_avg_sq"`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,37 +39,47 @@ FALLBACKS = ("adamw", "sgd")
 GRAFTS = ("adamw", "sgd")
 
 
-def adam_direction(
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
+def adam_directions(
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
     *,
-    step: int,
+    steps: Sequence[int],
     betas: tuple[float, float],
     eps: float,
-) -> Tensor:
-    r"""Update Adam's moments in place; return \(\hat m / (\sqrt{\hat v} + \epsilon)\).
+) -> list[Tensor]:
+    r"""Update Adam's moments in place; return the directions of its step.
+
+    Each direction is \(\hat m / (\sqrt{\hat v} + \epsilon)\) (module docs).
+    One `torch._foreach_*` operation per term for all tensors (a multi-tensor
+    kernel on a GPU); per tensor, the arithmetic of the one-tensor formulas.
 
     Args:
-        grad: The gradient \(g\).
-        exp_avg: First moment \(m\) (updated in place).
-        exp_avg_sq: Second moment \(v\) (updated in place).
-        step: The step count \(t \ge 1\) after this step.
+        grads: The gradients \(g\).
+        exp_avgs: First moments \(m\) (updated in place).
+        exp_avg_sqs: Second moments \(v\) (updated in place).
+        steps: Each step count \(t \ge 1\) after this step.
         betas: \((\beta_1, \beta_2)\).
         eps: \(\epsilon\).
 
     Returns:
-        A new tensor.
+        New tensors, one per gradient.
     """
     beta1, beta2 = betas
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denominator = (exp_avg_sq / (1.0 - beta2**step)).sqrt_().add_(eps)
-    return (exp_avg / (1.0 - beta1**step)).div_(denominator)
+    exp_avgs, exp_avg_sqs, grads = list(exp_avgs), list(exp_avg_sqs), list(grads)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    denominators = torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in steps])
+    torch._foreach_sqrt_(denominators)
+    torch._foreach_add_(denominators, eps)
+    directions = torch._foreach_div(exp_avgs, [1.0 - beta1**t for t in steps])
+    torch._foreach_div_(directions, denominators)
+    return directions
 
 
 class FallbackRule(ABC):
-    """How the fallback trains one parameter outside any Kronecker layer.
+    """How the fallback trains the parameters of a group outside any Kronecker layer.
 
     Attributes:
         state_keys: The entries of a parameter's state that the rule keeps.
@@ -91,18 +101,23 @@ class FallbackRule(ABC):
     @abstractmethod
     def step(
         self,
-        param: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: Sequence[dict[str, Any]],
         group: Mapping[str, Any],
     ) -> None:
-        """Update the parameter in place.
+        """Update parameters of one group in place, all together.
+
+        The shell hands over the parameters of one group that are of one kind
+        (all `DTensor`s, or none), so that `torch._foreach_*` operations can
+        update them at once; each parameter's update must depend on its own
+        gradient and state only (the guard checks them one by one).
 
         Args:
-            param: The parameter.
-            grad: Its (unscaled) gradient; may be overwritten.
-            state: Its state (updated in place).
-            group: Its parameter group.
+            params: The parameters.
+            grads: Their (unscaled) gradients; may be overwritten.
+            states: Their states (updated in place).
+            group: Their parameter group.
         """
 
 
@@ -121,25 +136,27 @@ class AdamWFallback(FallbackRule):
 
     def step(
         self,
-        param: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: Sequence[dict[str, Any]],
         group: Mapping[str, Any],
     ) -> None:
-        """Apply one AdamW step."""
-        state["step"] += 1
+        """Apply one AdamW step to each parameter."""
+        for state in states:
+            state["step"] += 1
         lr = group["lr"] * group["fallback_lr_ratio"]
-        direction = adam_direction(
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            step=state["step"],
+        directions = adam_directions(
+            grads,
+            [state["exp_avg"] for state in states],
+            [state["exp_avg_sq"] for state in states],
+            steps=[state["step"] for state in states],
             betas=group["fallback_betas"],
             eps=group["fallback_eps"],
         )
+        params = list(params)
         if group["weight_decay"]:
-            param.mul_(1.0 - lr * group["weight_decay"])
-        param.add_(direction, alpha=-lr)
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        torch._foreach_add_(params, directions, alpha=-lr)
 
 
 class SGDFallback(FallbackRule):
@@ -153,16 +170,16 @@ class SGDFallback(FallbackRule):
 
     def step(
         self,
-        param: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        states: Sequence[dict[str, Any]],
         group: Mapping[str, Any],
     ) -> None:
-        """Apply one SGD step with momentum and weight decay."""
+        """Apply one SGD step with momentum and weight decay to each parameter."""
         parameter_step(
-            [param],
-            [grad.clone()],  # (weight decay is added to the direction)
-            [state["momentum_buffer"]],
+            params,
+            [grad.clone() for grad in grads],  # (weight decay is added to them)
+            [state["momentum_buffer"] for state in states],
             lr=group["lr"] * group["fallback_lr_ratio"],
             momentum=group["momentum"],
             weight_decay=group["weight_decay"],

@@ -42,26 +42,42 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
         NaN, infinity if it holds one), from one fused reduction of all tensors
         (`abs_peaks`) and a stack.
     """
-    wide = torch.float32
-    for group in groups:
-        for tensor in group:
-            wide = torch.promote_types(wide, tensor.dtype)
     tensors = [t for group in groups for t in group if t.numel()]
+    wide = _wide(t for group in groups for t in group)
     if not tensors:  # (no device to put the zeros on: only empty tensors)
         return [torch.zeros((), dtype=wide) for _ in groups]
-    each = abs_peaks(tensors, tensors[0].device, wide).unbind()
+    stacked = abs_peaks(tensors, tensors[0].device, wide)
+    each = stacked.unbind()
     result, start = [], 0
     for group in groups:
         count = sum(1 for t in group if t.numel())
-        part = each[start : start + count]
-        start += count
-        if len(part) == 1:
-            result.append(part[0])
-        elif part:  # several tensors: a layer's weight and bias, say
-            result.append(torch.stack(part).max())
+        if count == 1:
+            result.append(each[start])
+        elif count:  # several tensors: a layer's weight and bias, say
+            result.append(stacked[start : start + count].amax())
         else:
             result.append(torch.zeros((), dtype=wide, device=tensors[0].device))
+        start += count
     return result
+
+
+def _wide(tensors: Iterable[Tensor]) -> torch.dtype:
+    """Return float64 if a tensor is float64, else float32.
+
+    The floating-point dtype that holds the peaks of all `tensors`, without
+    dispatching `torch.promote_types` per tensor.
+
+    Args:
+        tensors: Floating-point tensors.
+
+    Returns:
+        The dtype.
+    """
+    return (
+        torch.float64
+        if any(t.dtype == torch.float64 for t in tensors)
+        else torch.float32
+    )
 
 
 def abs_peaks(
@@ -127,8 +143,7 @@ def finite_each(
         return [passed for _ in groups]
     # the peaks carry NaN and ±inf, stacked in a dtype that holds each of them
     # (float64 ones would overflow float32)
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else None
-    flags = below_overflow(abs_peaks(tensors, device, wide or torch.float32))
+    flags = below_overflow(abs_peaks(tensors, device, _wide(tensors)))
     verdicts, start = [], 0
     for group in checked:
         verdicts.append(flags[start : start + len(group)].all() if group else passed)
@@ -170,8 +185,10 @@ def lands(
     Returns:
         A 0-d boolean tensor.
     """
-    size = eta.abs() if isinstance(eta, Tensor) else abs(eta)
-    return peak_base + size * peak_change <= torch.finfo(dtype).max / 2
+    limit = torch.finfo(dtype).max / 2
+    if isinstance(eta, Tensor):
+        return peak_base + eta.abs() * peak_change <= limit
+    return torch.add(peak_base, peak_change, alpha=abs(eta)) <= limit
 
 
 def trust_region(lr: float | Tensor, norm: Tensor) -> Tensor:

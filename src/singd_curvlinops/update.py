@@ -366,7 +366,9 @@ def checked_parameter_steps(
     changes = directions if whole is None else [whole]
     peak_param, peak_direction = peaks([params, changes])
     largest = max(abs(lr) for lr in lrs) if finite_lrs else 0.0
-    sound = lands(peak_param, peak_direction, largest, params[0].dtype) & finite_lrs
+    sound = lands(peak_param, peak_direction, largest, params[0].dtype)
+    if not finite_lrs:
+        sound = sound & False
 
     def apply(ok: Tensor) -> None:
         discard = ~ok.to(params[0].device)

@@ -493,6 +493,7 @@ def timings() -> None:
         ("SINGD dense T=1", singd(1, "dense")),
         ("SINGD dense T=10", singd(10, "dense")),
         ("SINGD diagonal T=1", singd(1, "diagonal")),
+        ("SINGD diagonal T=10", singd(10, "diagonal")),
         ("SINGD block32diagonal T=1", singd(1, "block32diagonal")),
         ("KFAC T=10", lambda m: KFAC(m, lr=1e-4, damping=1e-3, T=10)),
     ]

@@ -102,9 +102,11 @@ def abs_peaks(
         A tensor `[len(tensors)]`.
     """
     extremes = [value for tensor in tensors for value in _extremes(tensor)]
-    if any(v.dtype != dtype or v.device != device for v in extremes):
+    kind = extremes[0].dtype
+    if any(v.dtype != kind or v.device != device for v in extremes):
         extremes = [value.to(device, dtype) for value in extremes]
-    return torch.stack(extremes).abs_().view(-1, 2).amax(1)
+    # (one cast after the stack where all extremes share a dtype: the stack is ours)
+    return torch.stack(extremes).to(dtype).abs_().view(-1, 2).amax(1)
 
 
 def _extremes(tensor: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from singd_curvlinops.bounds import finite, peaks
+from singd_curvlinops.bounds import finite, finite_each, peaks
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -97,3 +97,14 @@ def test_finite_passes_empty_and_integer_tensors() -> None:
     assert not finite([counter, torch.tensor([math.nan])], CPU)
     result = finite([torch.ones(2)], CPU)
     assert result.dtype == torch.bool and result.shape == ()
+
+
+def test_finite_each_gives_one_verdict_per_group() -> None:
+    good, bad = torch.ones(4), torch.tensor([1.0, math.inf])
+    counter = torch.tensor(2, dtype=torch.int64)
+    verdicts = finite_each(
+        [[good], [good, bad], [], [torch.zeros(0), counter], [bad[:1], good.double()]],
+        CPU,
+    )
+    assert [bool(v) for v in verdicts] == [True, False, True, True, True]
+    assert all(v.dtype == torch.bool and v.shape == () for v in verdicts)

@@ -236,3 +236,47 @@ def test_parametrized_layers_go_to_the_fallback(parametrize) -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(optimizer.state[p]["step"] == 5 for p in computing)
+
+
+def test_a_batch_of_fallback_parameters_keeps_each_ones_step_count() -> None:
+    """The fallback steps a group's parameters together (`torch._foreach_*`); a
+    parameter without a gradient in some steps keeps its own AdamW step count,
+    and groups with other options or another rule step apart, as in torch.optim."""
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(3, generator=generator, dtype=torch.float64) for _ in "abc"]
+    model = nn.Linear(3, 2).double()
+    ours = [nn.Parameter(v.clone()) for v in values]
+    theirs = [nn.Parameter(v.clone()) for v in values]
+    optimizer = SINGD(
+        model,
+        [
+            {"params": model.parameters(), "lr": 0.0},
+            {"params": ours[:2], "lr": 0.05, "weight_decay": 0.1},
+            {"params": ours[2:], "lr": 0.02, "fallback": "sgd", "momentum": 0.9},
+        ],
+    )
+    references = [
+        torch.optim.AdamW(theirs[:2], lr=0.05, weight_decay=0.1),
+        torch.optim.SGD(theirs[2:], lr=0.02, momentum=0.9),
+    ]
+    for step in range(6):
+        for params, opt in ((ours, optimizer), (theirs, None)):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                for reference in references:
+                    reference.zero_grad(set_to_none=True)
+            X = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            X = X.double()
+            used = params if step % 2 == 0 else [params[0], params[2]]
+            loss = sum(((X * p).sum(1) ** 2).mean() for p in used)
+            if opt is not None:
+                loss = loss + 0.0 * model(X).sum()
+            loss.backward()
+        optimizer.step()
+        for reference in references:
+            reference.step()
+    assert optimizer.state[ours[0]]["step"] == 6
+    assert optimizer.state[ours[1]]["step"] == 3
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14)

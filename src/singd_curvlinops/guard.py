@@ -202,8 +202,8 @@ class StepGuard:
 
         Each parameter and its state are copied first (fallback parameters are
         few and small: norms, biases, embeddings of positions) and take their
-        previous values back unless all of their new values are finite; their
-        extremes are stacked and checked once (`bounds.finite_each`).
+        previous values back unless all of their new values are finite; the
+        peaks of all of them are checked at once (`bounds.finite_each`).
 
         Args:
             params: The parameters.

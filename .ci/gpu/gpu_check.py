@@ -194,6 +194,42 @@ def linear_operator(label):
     report(label, r < TOL and r2 < TOL, f"scipy rel {r:.1e}, torch @ rel {r2:.1e}")
 
 
+@check("guard peaks: CUDA's _foreach_norm gives the exact peaks, NaN and inf included")
+def guard_peaks(label):
+    """`bounds.abs_peaks` reduces CUDA tensors with one `torch._foreach_norm`;
+    its peaks must be exactly the largest absolute entries, for every dtype,
+    strided views, infinities and NaN (the guard's verdicts read them). On a
+    device other than CUDA (a dry run) that reduction is forced."""
+    from singd_curvlinops import bounds
+
+    fused = bounds.fused_peaks
+    if DEVICE.type != "cuda":
+        bounds.fused_peaks = lambda tensors: True
+    generator = torch.Generator().manual_seed(0)
+    mismatches = []
+    try:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            matrix = (3 * torch.randn(40, 30, generator=generator)).to(dtype)
+            cases = [[matrix], [matrix.T], [matrix[:, 3]], [matrix, matrix[5]]]
+            for poison in (float("inf"), -float("inf"), float("nan")):
+                bad = matrix.clone()
+                bad[7, 3] = poison
+                cases += [[bad], [bad[:, 3], matrix]]
+            for tensors in cases:
+                on_device = [t.to(DEVICE) for t in tensors]
+                assert bounds.fused_peaks(on_device)
+                peaks = bounds.abs_peaks(on_device, DEVICE, torch.float64).cpu()
+                exact = torch.stack([t.double().abs().max() for t in tensors])
+                if not torch.equal(peaks.nan_to_num(-1.0), exact.nan_to_num(-1.0)):
+                    mismatches.append((dtype, peaks.tolist(), exact.tolist()))
+                finite = bool(bounds.finite(on_device, DEVICE))
+                if finite != bool(exact.isfinite().all()):
+                    mismatches.append((dtype, "finite", finite))
+    finally:
+        bounds.fused_peaks = fused
+    report(label, not mismatches, f"{len(mismatches)} mismatches {mismatches[:3]}")
+
+
 @check("set_curvature type-2 KFACLinearOperator cuda==cpu")
 def set_curvature(label):
     from curvlinops import FisherType, KFACLinearOperator
@@ -539,6 +575,7 @@ if __name__ == "__main__":
     trajectories()
     checkpoints()
     linear_operator()
+    guard_peaks()
     set_curvature()
     amp()
     low_precision()

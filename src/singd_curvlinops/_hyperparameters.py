@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from singd_curvlinops.rules.fallback import FALLBACKS, GRAFTS
+from singd_curvlinops.rules.fallback import GRAFTS, fallback_names
 from singd_curvlinops.statistics import check_kfac_approx, check_loss_average
 from singd_curvlinops.structure_policy import check_max_dense_dim, check_structures
 
@@ -182,7 +182,7 @@ def check_fallback(group: dict[str, Any]) -> None:
         ValueError: If `fallback_betas` is not a pair; other values are checked by
             `check_choice` and `check_number`.
     """
-    check_choice("fallback", group["fallback"], FALLBACKS)
+    check_choice("fallback", group["fallback"], fallback_names())
     check_choice("graft", group["graft"], GRAFTS)
     check_number("fallback_lr_ratio", group["fallback_lr_ratio"], 0.0)
     check_number("fallback_eps", group["fallback_eps"], 0.0)

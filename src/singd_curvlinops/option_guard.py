@@ -30,6 +30,7 @@ from torch.nn import Parameter
 
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
+from singd_curvlinops.rules.fallback import fallback_names
 from singd_curvlinops.stepping import is_due
 
 
@@ -74,7 +75,7 @@ def check_options(
         raise ValueError(
             f"{where}: fallback=None, but the group holds parameters that no layer "
             "owns, which its fallback rule trains; fallback must be one of "
-            "'adamw', 'sgd'."
+            f"{', '.join(map(repr, fallback_names()))}."
         )
     return options
 
@@ -186,8 +187,9 @@ class OptionGuard:
         """
         for index in range(len(groups)) if indices is None else indices:
             group = groups[index]
-            if self._unchanged(index, group):
-                continue
+            registered = group.get("fallback") in (None, *fallback_names())
+            if self._unchanged(index, group) and registered:
+                continue  # (a rule unregistered since its check is checked again)
             holds_fallback = any(p in self._fallback for p in group["params"])
             options = check_options(
                 self._rule,

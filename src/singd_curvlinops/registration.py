@@ -93,8 +93,8 @@ class Registration:
         if sparse:
             raise ValueError(
                 f"{', '.join(map(repr, sparse))}: sparse gradients "
-                "(nn.Embedding/EmbeddingBag with sparse=True); the fallback rules "
-                "'adamw' and 'sgd' need dense ones. Build the module with "
+                "(nn.Embedding/EmbeddingBag with sparse=True); the fallback rules need "
+                "dense ones. Build the module with "
                 "sparse=False, or leave its parameters out of this optimizer."
             )
         self._layers.keep(layers)

@@ -221,7 +221,8 @@ def check_fallback_entry(
         where: Its path, for messages.
         owner: The parameter, for messages.
         param: The parameter.
-        fallback: Its group's fallback rule (`"adamw"` or `"sgd"`).
+        fallback: Its group's fallback rule (`"adamw"`, `"sgd"` or a registered
+            name).
 
     Raises:
         ValueError: For a missing or incomplete state of a rule; the helpers
@@ -230,24 +231,35 @@ def check_fallback_entry(
     """
     allowed = [key for rule in FALLBACK_RULES.values() for key in rule.state_keys]
     _check_keys(entry, where, owner, [], [*allowed, *OPTIONAL_COUNTERS])
-    if not any(k in entry for rule in FALLBACK_RULES.values() for k in rule.state_keys):
-        keys = list(FALLBACK_RULES[fallback].state_keys)
+    present = [key for key in entry if key in allowed]
+    own = FALLBACK_RULES.get(fallback)
+    if own is not None and own.state_keys and not present:
         raise ValueError(
             f"{where} ({owner}) lacks the state of its fallback rule {fallback!r}: "
-            f"{keys}."
+            f"{list(own.state_keys)}."
+        )
+    # the state holds whole states of rules (its own; earlier ones' after the
+    # group's fallback changed): every key must belong to a rule present in full
+    # (rules may share a key name, e.g. "exp_avg")
+    whole = {
+        name: rule
+        for name, rule in FALLBACK_RULES.items()
+        if rule.state_keys and all(key in entry for key in rule.state_keys)
+    }
+    covered = {key for rule in whole.values() for key in rule.state_keys}
+    stray = [key for key in present if key not in covered]
+    if stray:
+        owners = [n for n, r in FALLBACK_RULES.items() if stray[0] in r.state_keys]
+        name = fallback if fallback in owners else owners[0]
+        keys = FALLBACK_RULES[name].state_keys
+        missing = next(key for key in keys if key not in entry)
+        raise ValueError(
+            f"{where} ({owner}) lacks {missing!r}: the state of the fallback rule "
+            f"{name!r} has all of {list(keys)}, got {[k for k in keys if k in entry]}."
         )
     meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-    for name, rule in FALLBACK_RULES.items():
-        present = [key for key in rule.state_keys if key in entry]
-        if not present:
-            continue
+    for rule in whole.values():
         for key, initial in rule.init_state(meta).items():
-            if key not in entry:
-                raise ValueError(
-                    f"{where} ({owner}) lacks {key!r}: the state of the fallback "
-                    f"rule {name!r} has all of {list(rule.state_keys)}, got "
-                    f"{present}."
-                )
             if isinstance(initial, Tensor):
                 check_tensor(entry[key], _at(where, key, owner), tuple(initial.shape))
             else:

@@ -14,7 +14,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import KFAC, SINGD, FallbackRule, register_fallback
+from singd_curvlinops.rules.fallback import (
+    FALLBACK_RULES,
+    RESERVED_KEYS,
+    fallback_names,
+    unregister_fallback,
+)
+from singd_curvlinops.verdicts import COUNTERS
 
 
 def _model() -> nn.Module:
@@ -190,7 +197,7 @@ def test_grad_scaler_and_closure_equal_the_plain_run() -> None:
 
 @pytest.mark.parametrize("cls", [SINGD, KFAC])
 def test_sparse_embeddings_are_refused_when_registered(cls) -> None:
-    """Their gradients are sparse, which neither fallback rule takes.
+    """Their gradients are sparse, which no fallback rule takes.
 
     Before, construction passed and every `step()` failed inside the finiteness
     check with torch's `NotImplementedError` for sparse tensors.
@@ -280,3 +287,128 @@ def test_a_batch_of_fallback_parameters_keeps_each_ones_step_count() -> None:
     assert optimizer.state[ours[1]]["step"] == 3
     for p, q in zip(ours, theirs, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
+
+
+class _Lion(FallbackRule):
+    """Lion (Chen et al., 2023) as the fallback guide writes it."""
+
+    state_keys = ("exp_avg",)
+
+    def init_state(self, param):
+        return {"exp_avg": torch.zeros_like(param)}
+
+    def step(self, params, grads, states, group):
+        beta1, beta2 = group["fallback_betas"]
+        lr = group["lr"] * group["fallback_lr_ratio"]
+        params, grads = list(params), list(grads)
+        moments = [state["exp_avg"] for state in states]
+        directions = torch._foreach_lerp(moments, grads, 1 - beta1)
+        torch._foreach_sign_(directions)
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(params, directions, alpha=-lr)
+        torch._foreach_lerp_(moments, grads, 1 - beta2)
+
+
+@pytest.fixture
+def lion():
+    rule = register_fallback("lion", _Lion())
+    yield rule
+    unregister_fallback("lion")
+
+
+def _lion_reference(param, grad, moment, *, lr, betas, weight_decay) -> None:
+    """One Lion step of one parameter, written out."""
+    direction = torch.sign(betas[0] * moment + (1 - betas[0]) * grad)
+    param.mul_(1 - lr * weight_decay).sub_(lr * direction)
+    moment.mul_(betas[1]).add_((1 - betas[1]) * grad)
+
+
+def test_a_registered_rule_trains_its_groups_and_round_trips(lion, tmp_path) -> None:
+    model = _model()
+    optimizer = SINGD(
+        model,
+        [
+            {"params": _linears(model)},
+            {"params": _norms(model)[:2], "fallback": "lion", "lr": 0.01},
+            {"params": _norms(model)[2:]},  # the BatchNorm: AdamW
+        ],
+        fallback_betas=(0.8, 0.95),
+        weight_decay=0.1,
+    )
+    assert all("exp_avg" in optimizer.state[p] for p in _norms(model))
+    lion_params = _norms(model)[:2]
+    expected = [p.detach().clone() for p in lion_params]
+    moments = [torch.zeros_like(p) for p in lion_params]
+    for step in range(4):
+        optimizer.zero_grad()
+        X, y = _data(step)
+        nn.functional.cross_entropy(model(X), y).backward()
+        for value, moment, param in zip(expected, moments, lion_params, strict=True):
+            _lion_reference(
+                value, param.grad, moment, lr=0.01, betas=(0.8, 0.95), weight_decay=0.1
+            )
+        optimizer.step()
+    for param, value in zip(lion_params, expected, strict=True):
+        torch.testing.assert_close(param.detach(), value, rtol=0, atol=1e-14)
+    assert set(optimizer.state[lion_params[0]]) == {"exp_avg", "skipped_steps"}
+
+    path = tmp_path / "lion.pt"
+    torch.save(optimizer.state_dict(), path)
+    twin = copy.deepcopy(model)
+    clone = SINGD(
+        twin,
+        [
+            {"params": _linears(twin)},
+            {"params": _norms(twin)[:2], "fallback": "lion", "lr": 0.01},
+            {"params": _norms(twin)[2:]},
+        ],
+        fallback_betas=(0.8, 0.95),
+        weight_decay=0.1,
+    )
+    clone.load_state_dict(torch.load(path, weights_only=True))
+    _train(model, optimizer, 2)
+    _train(twin, clone, 2)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_registration_checks_its_arguments(lion) -> None:
+    with pytest.raises(ValueError, match="'lion' is already taken by _Lion"):
+        register_fallback("lion", _Lion())
+    with pytest.raises(ValueError, match="'adamw' is already taken"):
+        register_fallback("adamw", _Lion())
+    with pytest.raises(TypeError, match="name must be a non-empty str"):
+        register_fallback("", _Lion())
+    with pytest.raises(TypeError, match="rule must be a FallbackRule instance"):
+        register_fallback("other", torch.optim.SGD)
+
+    class Counting(_Lion):
+        state_keys = ("exp_avg", "skipped_steps")
+
+    with pytest.raises(ValueError, match="'skipped_steps', which the step guard"):
+        register_fallback("counting", Counting())
+
+    class Listed(_Lion):
+        state_keys = ["exp_avg"]
+
+    with pytest.raises(TypeError, match="state_keys must be a tuple of str"):
+        register_fallback("listed", Listed())
+    with pytest.raises(ValueError, match="not a registered fallback rule"):
+        unregister_fallback("sgd")
+    assert "counting" not in fallback_names() and "listed" not in fallback_names()
+    assert RESERVED_KEYS == COUNTERS
+
+
+def test_an_unregistered_name_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="fallback must be one of 'adamw', 'sgd'"):
+        SINGD(_model(), fallback="lion")
+    register_fallback("lion", _Lion())
+    try:
+        model = _model()
+        optimizer = SINGD(model, fallback="lion")
+        assert fallback_names()[-1] == "lion" and "lion" in FALLBACK_RULES
+    finally:
+        unregister_fallback("lion")
+    with pytest.raises(ValueError, match="fallback must be one of 'adamw', 'sgd'"):
+        _train(model, optimizer, 1)  # the group's option names no rule now

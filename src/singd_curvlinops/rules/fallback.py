@@ -1,7 +1,8 @@
-r"""The fallback rules: AdamW or SGD for the parameters that no layer owns.
+r"""The fallback rules: AdamW, SGD or yours, for the parameters that no layer owns.
 
-A parameter group's `fallback` option (`"adamw"`, the default, `"sgd"`, or None)
-names the rule that trains its parameters outside any Kronecker layer: norm
+A parameter group's `fallback` option (`"adamw"`, the default, `"sgd"`, a name
+given to `register_fallback`, or None) names the rule that trains its parameters
+outside any Kronecker layer: norm
 scales and shifts, positional embeddings and class tokens, layer scales, biases
 of unsupported modules. Its learning rate is the group's `lr` times
 `fallback_lr_ratio` (default 1), so a scheduler that changes `lr` scales both
@@ -21,7 +22,11 @@ count \(t\):
 
 The same AdamW direction \(\hat m / (\sqrt{\hat v} + \epsilon)\) (or the gradient,
 for SGD) is what learning-rate grafting (`graft`) measures a layer's step by; its
-moments live under `"graft_exp_avg"`, `"graft_exp_avg_sq"`.
+moments live under `"graft_exp_avg"`, `"graft_exp_avg_sq"`. Grafting takes these
+two only.
+
+Another rule is a `FallbackRule` subclass given a name with `register_fallback`
+(the guide's *Fallback and grafting* page has an example, Lion).
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from torch import Tensor
 
 from singd_curvlinops.update import parameter_step
 
-FALLBACKS = ("adamw", "sgd")
 GRAFTS = ("adamw", "sgd")
+# the step guard's counters (`verdicts.COUNTERS`, not imported: it would import
+# the distributed package, which imports this module)
+RESERVED_KEYS = ("skipped_steps", "discarded_factor_updates")
 
 
 def adam_directions(
@@ -186,7 +193,79 @@ class SGDFallback(FallbackRule):
         )
 
 
+BUILTIN_FALLBACKS = ("adamw", "sgd")
 FALLBACK_RULES: dict[str, FallbackRule] = {
     "adamw": AdamWFallback(),
     "sgd": SGDFallback(),
-}
+}  # the built-in rules, then those of `register_fallback`
+
+
+def fallback_names() -> tuple[str, ...]:
+    """Return the values that the `fallback` option takes besides None.
+
+    Returns:
+        The built-in names, then the registered ones, in registration order.
+    """
+    return tuple(FALLBACK_RULES)
+
+
+def register_fallback(name: str, rule: FallbackRule) -> FallbackRule:
+    """Make `rule` train the parameters of groups with `fallback=name`.
+
+    Optimizers check the option when they are built and when a group changes, so
+    register the rule before either. A checkpoint of a group with this fallback
+    loads only where the rule is registered under the same name.
+
+    Args:
+        name: A new name (not `"adamw"`, `"sgd"` or one registered before).
+        rule: An instance of a `FallbackRule` subclass; its `state_keys` must
+            not be the step guard's counters (`RESERVED_KEYS`).
+
+    Returns:
+        `rule` (so that registration can wrap an instantiation).
+
+    Raises:
+        TypeError: If `name` is not a non-empty str, `rule` is not a
+            `FallbackRule` instance, or its `state_keys` is not a tuple of str.
+        ValueError: If `name` is taken, or a state key is reserved.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}.")
+    if not isinstance(rule, FallbackRule):
+        raise TypeError(
+            f"rule must be a FallbackRule instance, got {type(rule).__name__}."
+        )
+    keys = rule.state_keys
+    if not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(
+            f"{type(rule).__name__}.state_keys must be a tuple of str, got {keys!r}."
+        )
+    if name in FALLBACK_RULES:
+        taken_by = type(FALLBACK_RULES[name]).__name__
+        raise ValueError(f"Fallback name {name!r} is already taken by {taken_by}.")
+    reserved = [key for key in keys if key in RESERVED_KEYS]
+    if reserved:
+        raise ValueError(
+            f"{type(rule).__name__}.state_keys uses {reserved[0]!r}, which the "
+            "step guard keeps in the optimizer state; choose another name."
+        )
+    FALLBACK_RULES[name] = rule
+    return rule
+
+
+def unregister_fallback(name: str) -> None:
+    """Remove a rule registered with `register_fallback`.
+
+    Args:
+        name: Its name.
+
+    Raises:
+        ValueError: If no rule was registered under `name` (the built-in ones
+            cannot be removed).
+    """
+    if name in BUILTIN_FALLBACKS or name not in FALLBACK_RULES:
+        registered = [n for n in FALLBACK_RULES if n not in BUILTIN_FALLBACKS]
+        raise ValueError(
+            f"{name!r} is not a registered fallback rule; registered: {registered}."
+        )
+    del FALLBACK_RULES[name]

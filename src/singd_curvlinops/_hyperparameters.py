@@ -103,17 +103,20 @@ def check_lr_cov_value(value: Any, step: Any) -> float:
 
 
 def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:
-    """Check a pair `(dtype_K, dtype_C)` of floating dtypes or None.
+    """Check a pair `(dtype_K, dtype_C)` of floating dtypes or None, or None.
 
     Args:
-        value: Candidate pair.
+        value: Candidate pair; None stands for `(None, None)` (both factors in
+            the parameter's dtype), as each None in a pair does for its side.
 
     Returns:
         The pair as a tuple.
 
     Raises:
-        ValueError: If it is not such a pair.
+        ValueError: If it is neither None nor such a pair.
     """
+    if value is None:
+        return (None, None)
     if (
         not isinstance(value, (tuple, list))
         or len(value) != 2
@@ -123,8 +126,9 @@ def check_preconditioner_dtype(value: Any) -> tuple[torch.dtype | None, ...]:
         )
     ):
         raise ValueError(
-            "preconditioner_dtype must be a pair of floating torch dtypes or None, "
-            f"got {value!r}."
+            "preconditioner_dtype must be a pair of floating torch dtypes or None "
+            "(one per factor; None: the parameter's dtype), or None for both, got "
+            f"{value!r}."
         )
     return tuple(value)
 

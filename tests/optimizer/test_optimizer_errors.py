@@ -67,7 +67,8 @@ OPTION_ERRORS = [
      r"normalize_lr_cov must be a bool, got 1"),
     ("preconditioner_dtype-int", {"preconditioner_dtype": (torch.int32, None)},
      ValueError, r"preconditioner_dtype must be a pair of floating torch dtypes "
-     r"or None, got \(torch\.int32, None\)"),
+     r"or None \(one per factor; None: the parameter's dtype\), or None for both, "
+     r"got \(torch\.int32, None\)"),
     ("preconditioner_dtype-single", {"preconditioner_dtype": torch.float32},
      ValueError, r"preconditioner_dtype must be a pair of floating torch dtypes"),
     ("preconditioner_dtype-str", {"preconditioner_dtype": ("float32", "float32")},

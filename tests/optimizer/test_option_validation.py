@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from singd_curvlinops import EKFAC, KFAC, SINGD
 from tests.optimizer._state import (
@@ -211,3 +212,13 @@ def test_callable_lr_cov_is_called_once_per_due_layer() -> None:
     optimizer = SINGD(model, lr_cov=schedule, T=2)
     train(model, optimizer, range(4))
     assert calls == [0, 0, 2, 2]  # two layers, updated at steps 0 and 2
+
+
+def test_preconditioner_dtype_none_means_the_parameters_dtype_for_both() -> None:
+    """The docs' "None: the parameter's" also holds for the whole option."""
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    optimizer = SINGD(model, preconditioner_dtype=None)
+    assert optimizer.param_groups[0]["preconditioner_dtype"] == (None, None)
+    assert optimizer.state[model[0].weight]["K.mat"].dtype == torch.float64
+    with pytest.raises(ValueError, match=r"or None for both, got torch\.float32"):
+        SINGD(model, preconditioner_dtype=torch.float32)

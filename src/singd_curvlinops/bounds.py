@@ -16,7 +16,7 @@ None of them reads a number on the host: the optimizer's guard
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 
 import torch
@@ -46,17 +46,41 @@ def peaks(groups: Sequence[Sequence[Tensor]]) -> list[Tensor]:
     wide = _wide(t for group in groups for t in group)
     if not tensors:  # (no device to put the zeros on: only empty tensors)
         return [torch.zeros((), dtype=wide) for _ in groups]
-    stacked = abs_peaks(tensors, tensors[0].device, wide)
-    each = stacked.unbind()
+    device = tensors[0].device
+    return _per_group(
+        [sum(1 for t in group if t.numel()) for group in groups],
+        abs_peaks(tensors, device, wide),
+        Tensor.amax,  # several tensors: a layer's weight and bias, say
+        lambda: torch.zeros((), dtype=wide, device=device),
+    )
+
+
+def _per_group(
+    counts: Sequence[int],
+    values: Tensor,
+    reduce: Callable[[Tensor], Tensor],
+    empty: Callable[[], Tensor],
+) -> list[Tensor]:
+    """Split values stacked for the tensors of consecutive groups, one per group.
+
+    Args:
+        counts: The number of values of each group, in order.
+        values: All values, `[sum(counts)]`.
+        reduce: Reduces a group's several values to one 0-d tensor.
+        empty: Makes the result of a group without values (only when one is
+            empty: it costs an operation).
+
+    Returns:
+        One 0-d tensor per group: its value, the reduction of its values, or
+        `empty`.
+    """
+    each = values.unbind() if 1 in counts else ()  # (views, made once)
     result, start = [], 0
-    for group in groups:
-        count = sum(1 for t in group if t.numel())
+    for count in counts:
         if count == 1:
             result.append(each[start])
-        elif count:  # several tensors: a layer's weight and bias, say
-            result.append(stacked[start : start + count].amax())
         else:
-            result.append(torch.zeros((), dtype=wide, device=tensors[0].device))
+            result.append(reduce(values[start : start + count]) if count else empty())
         start += count
     return result
 
@@ -178,17 +202,16 @@ def finite_each(
         [t for t in group if t.numel() and t.is_floating_point()] for group in groups
     ]
     tensors = [t for group in checked for t in group]
-    passed = torch.ones((), dtype=torch.bool, device=device)
+
+    def passed() -> Tensor:
+        return torch.ones((), dtype=torch.bool, device=device)
+
     if not tensors:
-        return [passed for _ in groups]
+        return [passed()] * len(groups)
     # the peaks carry NaN and ±inf, stacked in a dtype that holds each of them
     # (float64 ones would overflow float32)
     flags = below_overflow(abs_peaks(tensors, device, _wide(tensors)))
-    verdicts, start = [], 0
-    for group in checked:
-        verdicts.append(flags[start : start + len(group)].all() if group else passed)
-        start += len(group)
-    return verdicts
+    return _per_group([len(group) for group in checked], flags, Tensor.all, passed)
 
 
 def below_overflow(peak: Tensor) -> Tensor:

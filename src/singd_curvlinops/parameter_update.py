@@ -39,7 +39,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.fallback import FALLBACK_RULES, adam_directions
+from singd_curvlinops.rules.fallback import (
+    FALLBACK_RULES,
+    FallbackRule,
+    adam_directions,
+)
 from singd_curvlinops.update import checked_parameter_steps
 
 
@@ -216,7 +220,7 @@ def step_fallback(
             as checked changes of each parameter and its state
             (`StepGuard.fallback_update`).
     """
-    batches: dict[tuple[int, bool], tuple[Mapping[str, Any], list, list]] = {}
+    batches: dict[tuple[int, bool], tuple[FallbackRule, Mapping, list, list]] = {}
     for param, group in params:
         if param.grad is None or group["fallback"] is None:
             continue
@@ -228,10 +232,9 @@ def step_fallback(
         if any(key not in param_state for key in rule.state_keys):
             param_state.update(rule.init_state(param))  # the fallback changed
         kind = (id(group), isinstance(param, DTensor))
-        _, members, grads = batches.setdefault(kind, (group, [], []))
+        _, _, members, grads = batches.setdefault(kind, (rule, group, [], []))
         members.append(param)
         grads.append(grad)
-    for group, members, grads in batches.values():
+    for rule, group, members, grads in batches.values():
         states = [state[param] for param in members]
-        rule = FALLBACK_RULES[group["fallback"]]
         checked(members, states, partial(rule.step, members, grads, states, group))

@@ -93,9 +93,9 @@ class Registration:
         if sparse:
             raise ValueError(
                 f"{', '.join(map(repr, sparse))}: sparse gradients "
-                "(nn.Embedding/EmbeddingBag with sparse=True); the fallback rules need "
-                "dense ones. Build the module with "
-                "sparse=False, or leave its parameters out of this optimizer."
+                "(nn.Embedding/EmbeddingBag with sparse=True); the fallback rules "
+                "need dense ones. Build the module with sparse=False, or leave its "
+                "parameters out of this optimizer."
             )
         self._layers.keep(layers)
         self._registered = len(self.param_groups)

@@ -31,7 +31,7 @@ that a discarded update changed (KFAC's update counter) costs one more read, of
 its factor verdicts, before it preconditions (`settle_factors`).
 
 Under a distribution strategy whose ranks decide apart (the owners of
-`distribute="shard"`, FSDP2's row shards), the verdicts are agreed on (a
+`distribute="shard"`, FSDP2's shards), the verdicts are agreed on (a
 minimum over the ranks) before they count, so that every rank applies, counts
 and reports the same events. A sharded step without FSDP2 carries the verdicts
 on the inputs and the factor updates in its `all_gather` (`shared_verdicts`,
@@ -53,7 +53,7 @@ from torch.nn import Parameter
 from singd_curvlinops._warnings import warn
 from singd_curvlinops.bounds import finite_each
 from singd_curvlinops.distributed.collectives import agree, world_size
-from singd_curvlinops.distributed.fsdp import any_row_shards, is_sharded, local
+from singd_curvlinops.distributed.fsdp import any_shards, is_sharded, local
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.verdicts import (
     COUNTERS,
@@ -246,7 +246,7 @@ class StepGuard:
     def commit_deferred(self) -> None:
         """Agree on the deferred verdicts (one all-reduce), then apply them.
 
-        The agreement covers every row-sharded layer and sharded fallback
+        The agreement covers every FSDP2-sharded layer and sharded fallback
         parameter of the step, in order (True where a rank checked nothing, e.g.
         an empty shard), so that every rank takes part with the same flags.
         """
@@ -271,12 +271,12 @@ class StepGuard:
     def shareable(self) -> bool:
         """Whether the ranks decide alike on everything but inputs and factors.
 
-        True without FSDP2's row shards (of layers or fallback parameters): every
+        True without FSDP2's shards (of layers or fallback parameters): every
         rank then applies the same gathered steps to the same parameters, so
         only the inputs' and the owners' factor verdicts differ between ranks,
         and a sharded step can carry them in its `all_gather` (`adopt`).
         """
-        return not any_row_shards(self.layers, [p for _, p in self.fallback])
+        return not any_shards(self.layers, [p for _, p in self.fallback])
 
     def factor_keys(self) -> list[tuple[Layer, int]]:
         """Return `(layer, side)` of every side of every updated layer, in order."""

@@ -112,7 +112,7 @@ def gradient_nodes(params: Sequence[Tensor]) -> tuple[Any, ...]:
 
     Returns:
         Their gradient accumulators (`torch.autograd.graph.get_gradient_edge`);
-        none for FSDP2's row shards (`DTensor`s), whose forward pass uses
+        none for FSDP2's shards (`DTensor`s), whose forward pass uses
         unsharded copies with accumulators of their own: every pass collects.
     """
     if any(isinstance(p, DTensor) for p in params):

@@ -137,7 +137,7 @@ def layer_steps(
         groups: The optimizer's parameter groups.
         state: The optimizer's state (momentum buffers).
         local: Maps a parameter or buffer to the tensor this rank updates (its
-            row shard under FSDP2; the identity otherwise).
+            shard under FSDP2; the identity otherwise).
 
     Returns:
         Whether every parameter's step is sound (0-d boolean), and the function

@@ -8,8 +8,9 @@ update the factors and precondition, and shares the results. The stepper knows
 the rule, the collector, the state and the step's guard (`singd_curvlinops.guard`:
 every factor and parameter update is a checked change), not the strategy.
 
-Under FSDP2 a layer's parameters are row shards (`DTensor`): `gradient` returns
-this rank's rows of \(\Gamma\) and `apply` updates this rank's rows.
+Under FSDP2 a layer's parameters are shards (`DTensor`): `gradient` returns
+this rank's rows of \(\Gamma\) (columns, for a weight stored transposed) and
+`apply` updates them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.nn import Parameter
 from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.distributed.collectives import world_size
-from singd_curvlinops.distributed.fsdp import is_sharded, local
+from singd_curvlinops.distributed.fsdp import is_sharded, local, splits_columns
 from singd_curvlinops.distributed.layout import SHELL_KEYS, side_of
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.layers import Layer
@@ -251,18 +252,20 @@ class LayerStepper:
         state["grad_scale"] = self._statistics_scale(layer)
 
     def gradient(self, layer: Layer) -> Tensor | None:
-        r"""Return the unscaled \(\Gamma\) (this rank's rows under FSDP2).
+        r"""Return the unscaled \(\Gamma\) (this rank's rows or columns under FSDP2).
 
         Args:
             layer: The layer.
 
         Returns:
-            A new tensor `[rows, d_K]`, or None if no parameter has a gradient.
+            A new tensor `[rows, d_K]` (`[d_C, columns]`), or None if no
+            parameter has a gradient.
         """
         params = tuple(local(p) for p in layer.params)
         grads = [None if p.grad is None else local(p.grad) for p in layer.params]
         if any(g is not None for g in grads) and not params[0].numel():
-            return params[0].new_zeros(0, layer.dims[0])  # an empty row shard
+            d_K, d_C = layer.dims  # an empty shard: no rows (columns) of Γ
+            return params[0].new_zeros((d_C, 0) if splits_columns(layer) else (0, d_K))
         grad = layer.gradient_matrix(params, grads)
         if grad is not None and self._grad_scale is not None:
             parameter_update.unscale_(grad, self._grad_scale)
@@ -278,10 +281,10 @@ class LayerStepper:
 
         Args:
             layer: The layer.
-            direction: \(\Delta\) in the layout of \(\Gamma\) (this rank's rows
-                under FSDP2); it may be overwritten.
+            direction: \(\Delta\) in the layout of \(\Gamma\) (this rank's rows,
+                or columns, under FSDP2); it may be overwritten.
         """
-        if not local(layer.params[0]).numel():  # an empty row shard: nothing here
+        if not local(layer.params[0]).numel():  # an empty shard: nothing here
             return
         group, state = self.group(layer), self.state[layer.weight]
         choices = []
@@ -317,13 +320,13 @@ class LayerStepper:
 
         Raises:
             ValueError: For grafting or a per-example rule (EKFAC) on an FSDP2
-                row shard (both need the whole layer, which no rank holds).
+                shard (both need the whole layer, which no rank holds).
         """
         for layer in layers:
             if self.rule.per_example and is_sharded(layer):
                 raise ValueError(
                     f"Layer {layer.name!r}: {type(self.rule).__name__} cannot "
-                    "precondition FSDP2 row shards (its eigenvalue scaling couples "
+                    "precondition FSDP2 shards (its eigenvalue scaling couples "
                     "both sides of the layer)."
                 )
             if self.group(layer)["graft"] is not None and is_sharded(layer):

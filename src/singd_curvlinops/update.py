@@ -239,7 +239,7 @@ def precondition_input_side(
     r"""Return \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), in `K`'s dtype.
 
     The input-side half of `precondition`; any number of rows of \(\Gamma\) works
-    (a row-sharded gradient preconditions its rows alone).
+    (a sharded gradient preconditions its rows or columns alone).
 
     Args:
         grad: \(\Gamma\) or some of its rows, `[rows, d_K]`.

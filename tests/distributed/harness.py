@@ -39,8 +39,8 @@ CLASSES = {
     "three": 60,
     "two": 2,
     "norm": 60,
-    "tied": 30,
-    "embed": 30,
+    "tied": 31,
+    "embed": 31,
     "block": 60,
     "attention": 12,
 }
@@ -221,9 +221,11 @@ def wrap(case: Case, model: nn.Module) -> nn.Module:
         for attention in model.modules():  # a unit of its own inside its child's
             if isinstance(attention, nn.MultiheadAttention):
                 fully_shard(attention)
-        for layer in model:
-            if any(True for _ in layer.parameters()):
-                fully_shard(layer)
+        units = [[layer] for layer in model if any(True for _ in layer.parameters())]
+        if case.model == "tied":  # FSDP2 shards a tied weight in one unit
+            units = [[model[0], model[3]], [model[1]]]
+        for unit in units:
+            fully_shard(unit)
         return fully_shard(model)
     if case.wrap == "manual":
         return model

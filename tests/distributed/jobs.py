@@ -106,6 +106,16 @@ CASES_W2 = {
         KFAC_OPTIONS, distribute="owned", kfac=True, model="embed"
     ),
     "embed_owned_accumulate": Case(DENSE, "accumulate", "owned", model="embed"),
+    # FSDP2 shards a table (and a weight tied to it) by columns of Γ (before
+    # 2026-12-04: a ValueError for every model with an embedding)
+    "fsdp_embed": Case(DENSE, "fsdp", model="embed"),
+    "fsdp_embed_sparse": Case(SPARSE, "fsdp", model="embed"),
+    "fsdp_embed_replicate": Case(SPARSE, "fsdp", "replicate", model="embed"),
+    "fsdp_embed_ikfac": Case(IKFAC, "fsdp", model="embed"),
+    "fsdp_embed_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="embed"),
+    "fsdp_embed_accumulate": Case(SPARSE, "fsdp_accumulate", model="embed"),
+    "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
+    "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="tied"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -121,6 +131,8 @@ CASES_W3 = {
     "tied_dense": Case(DENSE, model="tied"),  # the tied layer split: a relay
     "embed_owned": Case(DENSE, distribute="owned", model="embed"),
     "tied_owned": Case(IKFAC, distribute="owned", model="tied"),
+    "fsdp_embed": Case(SPARSE, "fsdp", model="embed"),  # 11, 11, 9 columns
+    "fsdp_tied": Case(IKFAC, "fsdp", model="tied"),
 }
 RESUME_AT = 3
 
@@ -454,6 +466,11 @@ def misuse(results: dict[str, Any], out: Path) -> None:
         results[f"misuse/fsdp_submesh/{distribute}"] = _error(
             partial(_fsdp_on_submesh, distribute)
         )
+        results[f"misuse/hsdp/{distribute}"] = _error(partial(_hsdp, distribute))
+        for layout in ("own", "transposed_bias"):
+            results[f"misuse/fsdp_{layout}/{distribute}"] = _error(
+                partial(_fsdp_dense_kernels, distribute, layout)
+            )
     dist.barrier()
     _never_steps(results, out, rank)  # last: the process group is broken afterwards
 
@@ -489,6 +506,48 @@ def _fsdp_on_submesh(distribute: str) -> None:
             fully_shard(layer, mesh=mesh["b"])
     net = fully_shard(model, mesh=mesh["b"])
     train_step(case, net, make_optimizer(case, net), 0)
+
+
+def _hsdp(distribute: str) -> None:
+    """One step of a model that FSDP2 shards and replicates on a 2-d mesh (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(
+        "cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard")
+    )
+    case = Case(SPARSE, "fsdp", distribute)
+    model = build_model(case.model)
+    net = fully_shard(model, mesh=mesh)
+    train_step(case, net, make_optimizer(case, net), 0)
+
+
+def _fsdp_dense_kernels(distribute: str, layout: str) -> None:
+    """One step of FSDP2 on layers of a user-registered type with its own layout.
+
+    `"own"`: `Dense` (kernel `[d_in, d_out]`) registered without declaring the
+    weight transposed; `"transposed_bias"`: declared transposed, with a bias.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from singd_curvlinops.layers import register_layer, unregister_layer
+    from tests.layers.test_registry import Dense, DenseAdapter
+
+    class TransposedDenseAdapter(DenseAdapter):
+        transposed = True
+
+    adapter = DenseAdapter() if layout == "own" else TransposedDenseAdapter()
+    register_layer(adapter)
+    try:
+        case = Case(SPARSE, "fsdp", distribute)
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Flatten(), Dense(2 * 8 * 8, 6), nn.Tanh(), nn.Linear(6, 60)
+        ).double()
+        net = fully_shard(model)
+        train_step(case, net, make_optimizer(case, net), 0)
+    finally:
+        unregister_layer(adapter)
 
 
 def _resumed_apart(rank: int) -> None:

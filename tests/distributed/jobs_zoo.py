@@ -1,8 +1,9 @@
 """What the spawned ranks of `test_zoo_sharding.py` run: zoo models on two ranks.
 
-The language models under DDP and `Shard`; timm's ViT and torchvision's Swin
-under FSDP2 with every Transformer block a unit of its own (the usual wrapping;
-the patch embedding and the head are in the root's unit). Every rank trains on
+The language models under DDP and `Shard`; Llama and BERT, timm's ViT and
+torchvision's Swin under FSDP2 with every Transformer block a unit of its own
+(the usual wrapping; the embeddings, the patch embedding and the head are in the
+root's unit). Every rank trains on
 the zoo's whole fixed batch (the concatenation of equal batches has the same
 mean loss and statistics as one of them), so two ranks must end where one
 process does.
@@ -27,19 +28,26 @@ LANGUAGE_MODELS = ("llama", "gpt2", "bert")
 # before 2026-12-04 every layer inside an FSDP2 unit got no statistics
 VISION_MODELS = ("vit_tiny", "swin")
 STRATEGIES = ("shard", "owned")
+# under FSDP2 (untied embeddings: before 2026-12-04 a ValueError; GPT-2's
+# Conv1D layers with their biases are refused, `fsdp.is_sharded`)
+FSDP_LANGUAGE_MODELS = ("llama", "bert")
 STEPS = 2
 
 
 def train_language_model(
-    name: str, distribute: str, steps: int = STEPS
+    name: str, distribute: str, steps: int = STEPS, *, fsdp: bool = False
 ) -> list[Tensor]:
-    """Train a zoo model in float64 (dropout off); one process without a group."""
+    """Train a zoo model in float64 (dropout off); one process without a group.
+
+    In a process group the model is wrapped in DDP, or in FSDP2 with a unit per
+    block (`fsdp`).
+    """
     torch.manual_seed(0)
     model, loss_of = MODELS[name]()
     model = model.double().eval()  # (eval: no dropout, the ranks draw alike)
-    net = (
-        DistributedDataParallel(model) if torch.distributed.is_initialized() else model
-    )
+    net = model
+    if torch.distributed.is_initialized():
+        net = sharded_by_blocks(model) if fsdp else DistributedDataParallel(model)
     optimizer = SINGD(
         net, lr=0.05, T=1, max_dense_dim=1024, distribute=strategy(distribute)
     )
@@ -50,13 +58,20 @@ def train_language_model(
     return params(model)
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The Transformer blocks of timm's ViT and torchvision's Swin."""
+def sharded_by_blocks(model: nn.Module) -> nn.Module:
+    """Shard every Transformer block as an FSDP2 unit, then the root.
+
+    The blocks: timm's ViT's, torchvision's Swin's, Llama's and BERT's.
+    """
     from timm.models.vision_transformer import Block
     from torchvision.models.swin_transformer import SwinTransformerBlock
+    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    kinds = (Block, SwinTransformerBlock)
-    return [module for module in model.modules() if isinstance(module, kinds)]
+    kinds = (Block, SwinTransformerBlock, BertLayer, LlamaDecoderLayer)
+    for block in [module for module in model.modules() if isinstance(module, kinds)]:
+        fully_shard(block)
+    return fully_shard(model)
 
 
 def train_vision_model(name: str, steps: int = STEPS) -> list[Tensor]:
@@ -66,11 +81,7 @@ def train_vision_model(name: str, steps: int = STEPS) -> list[Tensor]:
     model, loss_of = MODELS[name]()
     model = model.double().eval()
     model.register_forward_pre_hook(lambda _, args: tuple(a.double() for a in args))
-    net = model
-    if torch.distributed.is_initialized():
-        for block in blocks(model):
-            fully_shard(block)
-        net = fully_shard(model)
+    net = sharded_by_blocks(model) if torch.distributed.is_initialized() else model
     optimizer = SINGD(net, lr=0.05, T=1)
     for _ in range(steps):
         optimizer.zero_grad()
@@ -83,5 +94,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     for name in LANGUAGE_MODELS:
         for distribute in STRATEGIES:
             results[f"{name}/{distribute}"] = train_language_model(name, distribute)
+    for name in FSDP_LANGUAGE_MODELS:
+        results[f"{name}/fsdp"] = train_language_model(name, "shard", fsdp=True)
     for name in VISION_MODELS:
         results[f"{name}/fsdp"] = train_vision_model(name)

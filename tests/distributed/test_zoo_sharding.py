@@ -6,7 +6,9 @@ BERT's embeddings tied to their output layers, in every sharded form: under
 the owner projects each orientation of a tied weight (before 2026-12-02 Llama
 failed in the backward pass and GPT-2 raised a `ValueError` there). timm's ViT
 and torchvision's Swin under FSDP2 with a unit per block (before 2026-12-04 the
-layers inside the units, and those in the root's, got no statistics).
+layers inside the units, and those in the root's, got no statistics), and Llama
+and BERT so (before 2026-12-04 their embeddings, FSDP2's column shards of `Γ`,
+raised a `ValueError`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 from tests.distributed.harness import spawn
 from tests.distributed.jobs_zoo import (
+    FSDP_LANGUAGE_MODELS,
     LANGUAGE_MODELS,
     STRATEGIES,
     VISION_MODELS,
@@ -49,10 +52,13 @@ def test_two_ranks_equal_one_process(
     assert min(moved) > 0 and max(moved) > 1e-3  # every parameter trains
 
 
-@pytest.mark.parametrize("name", VISION_MODELS)
+@pytest.mark.parametrize("name", VISION_MODELS + FSDP_LANGUAGE_MODELS)
 def test_fsdp2_blocks_equal_one_process(w2: list[dict[str, Any]], name: str) -> None:
-    expected = train_vision_model(name)
-    initial = train_vision_model(name, steps=0)
+    if name in FSDP_LANGUAGE_MODELS:
+        expected = train_language_model(name, "replicate")
+        initial = train_language_model(name, "replicate", steps=0)
+    else:
+        expected, initial = train_vision_model(name), train_vision_model(name, steps=0)
     for result in w2:
         actual = result[f"{name}/fsdp"]
         assert len(actual) == len(expected) == len(initial)

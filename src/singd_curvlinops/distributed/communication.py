@@ -28,7 +28,7 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   (`formed_statistics`: a 32-bit integer per layer reduced to its owners, or one
   under owned factors). The step guard's verdicts on the inputs and the factor
   updates ride in the gather (one number each, `StepGuard.shared_verdicts`);
-  under FSDP2 (row shards) they travel in an all-reduce of their own instead,
+  under FSDP2 (shards) they travel in an all-reduce of their own instead,
   a 32-bit integer for the step's inputs, for each side of each updated layer,
   each layer and each fallback parameter (see `singd_curvlinops.guard`). Under
   `Replicate` the options' fingerprints travel in the statistics all-reduce:
@@ -51,7 +51,7 @@ from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import any_row_shards
+from singd_curvlinops.distributed.fsdp import any_shards
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -198,7 +198,7 @@ def bytes_per_step(
     stepper = SimpleNamespace(state=optimizer.state, rule=rule)
     fallback = optimizer.fallback_params
     # the guard's verdicts ride in the gather (`StepGuard.shareable`)
-    shared = not any_row_shards(layers, fallback)
+    shared = not any_shards(layers, fallback)
     step = GatheredStep(
         stepper,
         plan,

@@ -9,7 +9,8 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    relay (`relay`): the owner of the other side applies it to \(\Gamma\) right
    after its update and sends the half product point-to-point to the anchor's
    owner, which applies the anchor side; a layer sharded by FSDP2 has every
-   rank precondition its rows of \(\Gamma P_K\) (see `fsdp`); a layer whose
+   rank precondition its rows of \(\Gamma P_K\) (its columns of
+   \(P_C \Gamma\), for column shards: see `fsdp`); a layer whose
    \(K\) is split by column blocks has every rank compute its term of
    \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
    updated before, together, in a collective of their own: see `columns`);
@@ -18,7 +19,7 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    guard's verdicts (`StepGuard.shared_verdicts`), and the updated factors of its
    sides if they are replicated (not momenta: `FactorRule.owner_state`);
 4. **applies**: received state entries replace the local ones; every rank
-   applies the remaining side of row-sharded layers, adds up the terms of
+   applies the remaining side of FSDP2-sharded layers, adds up the terms of
    column-split layers, and then applies weight decay, momentum and the
    learning rate to every layer's \(\Delta\).
 
@@ -46,7 +47,12 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
-from singd_curvlinops.distributed.fsdp import chunk_rows, is_sharded, local
+from singd_curvlinops.distributed.fsdp import (
+    chunk_size,
+    is_sharded,
+    local,
+    splits_columns,
+)
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -203,7 +209,7 @@ class GatheredStep:
 
         Returns:
             Whether it is split by sides or has a helper, and its owners (not
-            every rank, not its row shards) precondition it.
+            every rank, not its FSDP2 shards) precondition it.
         """
         assignment = self.plan[layer]
         return (
@@ -261,7 +267,7 @@ class GatheredStep:
 
         Args:
             layers: The layers.
-            sharded: The row-sharded layers.
+            sharded: The FSDP2-sharded layers.
             r: The rank.
 
         Returns:
@@ -271,7 +277,8 @@ class GatheredStep:
         for layer in layers:
             d_K, d_C = layer.dims
             if layer in sharded:
-                shape = (chunk_rows(layer, self.world), d_K)
+                size = chunk_size(layer, self.world)
+                shape = (d_C, size) if splits_columns(layer) else (size, d_K)
             elif self._split(layer):  # every rank sends its term of the sum
                 shape = (d_C, d_K)
             elif self._local(layer) or self.plan[layer].direction_owner != r:
@@ -291,7 +298,7 @@ class GatheredStep:
 
         Args:
             layer: The layer.
-            sharded: Whether its gradient is row-sharded.
+            sharded: Whether its gradient is sharded by FSDP2.
 
         Returns:
             What this rank sends for the layer (None: nothing or no gradient).
@@ -311,8 +318,8 @@ class GatheredStep:
             record = self.stepper.preconditioner(layer, (assignment.anchor,))
             return record.apply_side(assignment.anchor, half, overwrite=True)
         record = self.stepper.preconditioner(layer, (0, 1))
-        if sharded:
-            return record.apply_side(0, grad, overwrite=True)
+        if sharded:  # its rows of Γ P_K, or its columns of P_C Γ
+            return record.apply_side(int(splits_columns(layer)), grad, overwrite=True)
         if local_work:  # replicated work on this rank alone
             self.stepper.apply(layer, record.apply(grad, overwrite=True))
             return None
@@ -325,7 +332,7 @@ class GatheredStep:
             layer: The layer.
 
         Returns:
-            True for replicated work or shared factors (not for row shards).
+            True for replicated work or shared factors (not for FSDP2 shards).
         """
         return (self.plan[layer] is None or self.local_directions) and not is_sharded(
             layer
@@ -407,8 +414,9 @@ class GatheredStep:
         if direction is not None and tuple(direction.shape) == item.shape:
             return direction
         padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
-        if direction is not None:
-            padded[: direction.shape[0]] = direction
+        if direction is not None:  # a short shard: rows, or columns
+            axis = int(splits_columns(item.layer))
+            padded.narrow(axis, 0, direction.shape[axis]).copy_(direction)
         return padded
 
     # ---------------------------------------------------------------- apply
@@ -420,7 +428,7 @@ class GatheredStep:
         Args:
             layer: The layer.
             parts: Per sending rank, `(direction, flag)`.
-            sharded: Whether the layer is row-sharded.
+            sharded: Whether the layer is sharded by FSDP2.
         """
         weight = local(layer.weight)
         if self._split(layer):
@@ -432,14 +440,33 @@ class GatheredStep:
         if sharded:
             if not any(flag for _, flag in parts.values()):
                 return
-            Y = torch.cat([parts[r][0] for r in range(self.world)])[: layer.dims[1]]
-            first = self.me * chunk_rows(layer, self.world)
-            record = self.stepper.preconditioner(layer, (0, 1))
-            full = record.apply_side(1, Y, overwrite=True)
-            direction = full[first : first + weight.shape[0]]
+            direction = self._sharded_direction(layer, parts, weight.shape[0])
         else:
             assignment = self.plan[layer]
             direction, flag = parts[assignment.direction_owner]
             if not flag:
                 return
         self.stepper.apply(layer, direction.to(weight.dtype))
+
+    def _sharded_direction(
+        self, layer: Layer, parts: dict[int, tuple[Tensor, bool]], mine: int
+    ) -> Tensor:
+        r"""Finish this rank's slice of an FSDP2-sharded layer's \(\Delta\).
+
+        Args:
+            layer: The layer.
+            parts: Per rank, its padded rows of \(Y = \Gamma P_K\) (columns of
+                \(Z = P_C \Gamma\), for column shards) and its flag.
+            mine: The number of rows (columns) that this rank holds.
+
+        Returns:
+            \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns).
+        """
+        d_K, d_C = layer.dims
+        first = self.me * chunk_size(layer, self.world)
+        record = self.stepper.preconditioner(layer, (0, 1))
+        if splits_columns(layer):
+            Z = torch.cat([parts[r][0] for r in range(self.world)], dim=1)[:, :d_K]
+            return record.apply_side(0, Z, overwrite=True)[:, first : first + mine]
+        Y = torch.cat([parts[r][0] for r in range(self.world)])[:d_C]
+        return record.apply_side(1, Y, overwrite=True)[first : first + mine]

@@ -162,7 +162,7 @@ class Shard(DistributionStrategy):
             rule: The factor rule.
 
         Raises:
-            ValueError: For `factors="owned"` with FSDP2 row-sharded layers.
+            ValueError: For `factors="owned"` with FSDP2-sharded layers.
         """
         # A transposed twin (tied weights) shares its layer's factors, owner and
         # work: its statistics go to the layer's owners, sides swapped
@@ -170,7 +170,7 @@ class Shard(DistributionStrategy):
         layers = [layer for layer in layers if not layer.swapped]
         if self._owned and any(is_sharded(layer) for layer in layers):
             raise ValueError(
-                "Shard(factors='owned') cannot precondition FSDP2 row shards (every "
+                "Shard(factors='owned') cannot precondition FSDP2 shards (every "
                 "rank needs every factor there); use 'shard' or 'replicate'."
             )
         if self.plan:  # gather under the old owners first

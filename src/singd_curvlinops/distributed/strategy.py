@@ -10,8 +10,8 @@ shell. `DistributionStrategy` does all work on every rank and defines the hooks;
   statistics all-reduce on update steps;
 - `Shard` (`"shard"`, module `shard`) gives each layer's factor work an owner.
 
-Under FSDP2 (`fully_shard`) every strategy preconditions the row shards of the
-gradient as `fsdp` describes.
+Under FSDP2 (`fully_shard`) every strategy preconditions the shards (rows or
+columns) of the gradient as `fsdp` describes.
 """
 
 from __future__ import annotations

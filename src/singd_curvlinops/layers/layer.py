@@ -169,7 +169,7 @@ class Layer:
         Args:
             tensors: `[*param.shape, *extra]` for each of `params`.
             params: The parameters they belong to (default: `self.params`; under
-                FSDP2, the local row shards).
+                FSDP2, the local shards).
 
         Returns:
             `[d_C, d_K, *extra]` (see `LayerAdapter.to_matrix`).
@@ -203,7 +203,7 @@ class Layer:
 
         Args:
             params: The parameters (default: `self.params`; under FSDP2 the local
-                row shards).
+                shards).
             grads: Their gradients (default: each parameter's `.grad`).
 
         Returns:

@@ -124,6 +124,7 @@ def layer_steps(
     state: Mapping[Parameter, dict[str, Any]],
     *,
     local: Callable[[Tensor], Tensor] = lambda tensor: tensor,
+    parts: list[Tensor] | None = None,
 ) -> tuple[Tensor, Callable[[Tensor], None]] | None:
     r"""Prepare a layer's parameter step; apply it once the verdict is known.
 
@@ -138,13 +139,17 @@ def layer_steps(
         state: The optimizer's state (momentum buffers).
         local: Maps a parameter or buffer to the tensor this rank updates (its
             shard under FSDP2; the identity otherwise).
+        parts: The direction split per parameter already (default:
+            `layer.from_matrix`; FSDP2's bias beside column shards,
+            `fsdp.block_parts`, whose block holds more than the shards).
 
     Returns:
         Whether every parameter's step is sound (0-d boolean), and the function
         that applies them all given the verdict; None without a gradient.
     """
     params = [local(p) for p in layer.params]
-    parts = layer.from_matrix(direction, params)
+    split = parts is not None  # (then `direction` holds more than the parts)
+    parts = layer.from_matrix(direction, params) if parts is None else parts
     stepped = [
         (mine, part, local(state[param]["momentum_buffer"]), group)
         for param, mine, part, group in zip(
@@ -156,8 +161,10 @@ def layer_steps(
         return None
     mine, parts, buffers, param_groups = zip(*stepped, strict=True)
     storage = direction.untyped_storage().data_ptr()
-    views = len(stepped) == len(params) and all(
-        part.untyped_storage().data_ptr() == storage for part in parts
+    views = (
+        not split
+        and len(stepped) == len(params)
+        and all(part.untyped_storage().data_ptr() == storage for part in parts)
     )
     return checked_parameter_steps(
         mine,

@@ -27,8 +27,15 @@ from torch.nn import Parameter
 
 from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
-from singd_curvlinops.distributed.collectives import world_size
-from singd_curvlinops.distributed.fsdp import is_sharded, local, splits_columns
+from singd_curvlinops.distributed.collectives import rank, world_size
+from singd_curvlinops.distributed.fsdp import (
+    block_parts,
+    column_block,
+    is_sharded,
+    local,
+    split_bias,
+    splits_columns,
+)
 from singd_curvlinops.distributed.layout import SHELL_KEYS, side_of
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.layers import Layer
@@ -258,15 +265,21 @@ class LayerStepper:
             layer: The layer.
 
         Returns:
-            A new tensor `[rows, d_K]` (`[d_C, columns]`), or None if no
-            parameter has a gradient.
+            A new tensor `[rows, d_K]` (`[d_C, columns]`; with a bias beside
+            column shards `[d_C, columns + 1]`, `fsdp.column_block`), or None if
+            no parameter has a gradient.
         """
         params = tuple(local(p) for p in layer.params)
         grads = [None if p.grad is None else local(p.grad) for p in layer.params]
-        if any(g is not None for g in grads) and not params[0].numel():
+        if all(g is None for g in grads):
+            return None
+        if is_sharded(layer) and split_bias(layer):  # (`fsdp.column_block`)
+            grad = column_block(layer, grads, rank(), world_size())
+        elif not params[0].numel():
             d_K, d_C = layer.dims  # an empty shard: no rows (columns) of Γ
             return params[0].new_zeros((d_C, 0) if splits_columns(layer) else (0, d_K))
-        grad = layer.gradient_matrix(params, grads)
+        else:
+            grad = layer.gradient_matrix(params, grads)
         if grad is not None and self._grad_scale is not None:
             parameter_update.unscale_(grad, self._grad_scale)
         return grad
@@ -282,9 +295,11 @@ class LayerStepper:
         Args:
             layer: The layer.
             direction: \(\Delta\) in the layout of \(\Gamma\) (this rank's rows,
-                or columns, under FSDP2); it may be overwritten.
+                or columns, under FSDP2: the layout of `gradient`); it may be
+                overwritten.
         """
-        if not local(layer.params[0]).numel():  # an empty shard: nothing here
+        blocked = is_sharded(layer) and split_bias(layer)
+        if not blocked and not local(layer.params[0]).numel():  # an empty shard
             return
         group, state = self.group(layer), self.state[layer.weight]
         choices = []
@@ -296,8 +311,9 @@ class LayerStepper:
             for key in [key for key in state if key.startswith(GRAFT)]:
                 old = before.get(key, torch.zeros_like(state[key]))  # (new: zeros)
                 choices.append((state[key], state[key], old))
+        parts = block_parts(layer, direction, rank(), world_size()) if blocked else None
         steps = parameter_update.layer_steps(
-            layer, direction, self.groups, self.state, local=local
+            layer, direction, self.groups, self.state, local=local, parts=parts
         )
         if steps is None:
             return

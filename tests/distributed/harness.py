@@ -43,6 +43,7 @@ CLASSES = {
     "embed": 31,
     "block": 60,
     "attention": 12,
+    "conv1d": 60,
 }
 TOKENS = 5  # positions per sequence of the "tied" and "embed" models
 SEQUENCES = ("tied", "embed")  # the models that read token sequences
@@ -76,13 +77,15 @@ class Case:
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
             (Conv2d 2→3, Linear 48→2), `"norm"` (`"three"` with a LayerNorm
             before the first Linear: fallback parameters), `"tied"` (an
-            Embedding 30→8 tied to the output Linear 8→30, GPT-2's layout) or
+            Embedding 31→8 tied to the output Linear 8→31, GPT-2's layout),
             `"embed"` (the same without the tie: BERT's and Llama's layout),
             `"block"` (`"three"` with its two Linears in one child: one FSDP2
-            unit holding two layers, as a Transformer block is wrapped) or
+            unit holding two layers, as a Transformer block is wrapped),
             `"attention"` (the image's rows as 16 tokens of 8 features, an
             `nn.TransformerEncoderLayer`, an `nn.MultiheadAttention` that FSDP2
-            shards as a unit of its own, mean over tokens, Linear 8→12).
+            shards as a unit of its own, mean over tokens, Linear 8→12) or
+            `"conv1d"` (Hugging Face's Conv1D 128→25 and 25→60, weights stored
+            `[d_in, d_out]` beside their biases: GPT-2's layers).
         dtype: The model's and the data's dtype.
         device: The model's and the data's device (the GPU checks of
             `.ci/gpu/dist_check.py` train the same cases on `"cuda"`).
@@ -134,6 +137,11 @@ def build_model(name: str) -> nn.Sequential:
         if name == "tied":
             head.weight = embed.weight
         body = [embed, nn.Linear(8, 8), nn.Tanh(), head, LastPosition()]
+        return nn.Sequential(*body).double()
+    if name == "conv1d":  # Hugging Face's Conv1D (weight [d_in, d_out], a bias)
+        from transformers.pytorch_utils import Conv1D
+
+        body = [nn.Flatten(), Conv1D(25, 128), nn.Tanh(), Conv1D(CLASSES[name], 25)]
         return nn.Sequential(*body).double()
     if name == "two":
         tail = [nn.Linear(48, CLASSES["two"])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -106,14 +107,21 @@ CASES_W2 = {
         KFAC_OPTIONS, distribute="owned", kfac=True, model="embed"
     ),
     "embed_owned_accumulate": Case(DENSE, "accumulate", "owned", model="embed"),
-    # FSDP2 shards a table (and a weight tied to it) by columns of Γ (before
-    # 2026-12-04: a ValueError for every model with an embedding)
-    "fsdp_embed": Case(DENSE, "fsdp", model="embed"),
-    "fsdp_embed_sparse": Case(SPARSE, "fsdp", model="embed"),
-    "fsdp_embed_replicate": Case(SPARSE, "fsdp", "replicate", model="embed"),
-    "fsdp_embed_ikfac": Case(IKFAC, "fsdp", model="embed"),
-    "fsdp_embed_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="embed"),
-    "fsdp_embed_accumulate": Case(SPARSE, "fsdp_accumulate", model="embed"),
+    # FSDP2 shards a table (and a weight tied to it) and Conv1D's weights by
+    # columns of Γ, Conv1D's biases by rows (13 and 12 of 25); before 2026-12-04
+    # a ValueError for every model with an embedding or a Conv1D
+    **{
+        f"fsdp_{model}{form}": replace(case, model=model)
+        for model in ("embed", "conv1d")
+        for form, case in {
+            "": Case(DENSE, "fsdp"),
+            "_sparse": Case(SPARSE, "fsdp"),
+            "_replicate": Case(SPARSE, "fsdp", "replicate"),
+            "_ikfac": Case(IKFAC, "fsdp"),
+            "_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
+            "_accumulate": Case(SPARSE, "fsdp_accumulate"),
+        }.items()
+    },
     "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
     "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="tied"),
 }
@@ -133,6 +141,7 @@ CASES_W3 = {
     "tied_owned": Case(IKFAC, distribute="owned", model="tied"),
     "fsdp_embed": Case(SPARSE, "fsdp", model="embed"),  # 11, 11, 9 columns
     "fsdp_tied": Case(IKFAC, "fsdp", model="tied"),
+    "fsdp_conv1d": Case(DENSE, "fsdp", model="conv1d"),  # 43, 43, 42 columns
 }
 RESUME_AT = 3
 
@@ -467,10 +476,9 @@ def misuse(results: dict[str, Any], out: Path) -> None:
             partial(_fsdp_on_submesh, distribute)
         )
         results[f"misuse/hsdp/{distribute}"] = _error(partial(_hsdp, distribute))
-        for layout in ("own", "transposed_bias"):
-            results[f"misuse/fsdp_{layout}/{distribute}"] = _error(
-                partial(_fsdp_dense_kernels, distribute, layout)
-            )
+        results[f"misuse/fsdp_own_layout/{distribute}"] = _error(
+            partial(_fsdp_own_layout, distribute)
+        )
     dist.barrier()
     _never_steps(results, out, rank)  # last: the process group is broken afterwards
 
@@ -522,22 +530,19 @@ def _hsdp(distribute: str) -> None:
     train_step(case, net, make_optimizer(case, net), 0)
 
 
-def _fsdp_dense_kernels(distribute: str, layout: str) -> None:
-    """One step of FSDP2 on layers of a user-registered type with its own layout.
+def _fsdp_own_layout(distribute: str) -> None:
+    """One step of FSDP2 on a user-registered layer type that arranges `Γ` itself.
 
-    `"own"`: `Dense` (kernel `[d_in, d_out]`) registered without declaring the
-    weight transposed; `"transposed_bias"`: declared transposed, with a bias.
+    `Dense` stores its kernel `[d_in, d_out]`, but its adapter does not declare
+    the weight transposed: the optimizer cannot know which axis of `Γ` the
+    shards are.
     """
     from torch.distributed.fsdp import fully_shard
 
     from singd_curvlinops.layers import register_layer, unregister_layer
     from tests.layers.test_registry import Dense, DenseAdapter
 
-    class TransposedDenseAdapter(DenseAdapter):
-        transposed = True
-
-    adapter = DenseAdapter() if layout == "own" else TransposedDenseAdapter()
-    register_layer(adapter)
+    adapter = register_layer(DenseAdapter())
     try:
         case = Case(SPARSE, "fsdp", distribute)
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """What the spawned ranks of `test_zoo_sharding.py` run: zoo models on two ranks.
 
-The language models under DDP and `Shard`; Llama and BERT, timm's ViT and
+The language models under DDP and `Shard`; the language models, timm's ViT and
 torchvision's Swin under FSDP2 with every Transformer block a unit of its own
 (the usual wrapping; the embeddings, the patch embedding and the head are in the
 root's unit). Every rank trains on
@@ -28,9 +28,9 @@ LANGUAGE_MODELS = ("llama", "gpt2", "bert")
 # before 2026-12-04 every layer inside an FSDP2 unit got no statistics
 VISION_MODELS = ("vit_tiny", "swin")
 STRATEGIES = ("shard", "owned")
-# under FSDP2 (untied embeddings: before 2026-12-04 a ValueError; GPT-2's
-# Conv1D layers with their biases are refused, `fsdp.is_sharded`)
-FSDP_LANGUAGE_MODELS = ("llama", "bert")
+# under FSDP2 (their embeddings, and GPT-2's Conv1D layers, are column shards of
+# Γ: before 2026-12-04 a ValueError)
+FSDP_LANGUAGE_MODELS = ("llama", "gpt2", "bert")
 STEPS = 2
 
 
@@ -61,14 +61,17 @@ def train_language_model(
 def sharded_by_blocks(model: nn.Module) -> nn.Module:
     """Shard every Transformer block as an FSDP2 unit, then the root.
 
-    The blocks: timm's ViT's, torchvision's Swin's, Llama's and BERT's.
+    The blocks: timm's ViT's, torchvision's Swin's, Llama's, GPT-2's and BERT's
+    (GPT-2's tied embedding and output layer share the root's unit, as FSDP2
+    requires of a shared parameter).
     """
     from timm.models.vision_transformer import Block
     from torchvision.models.swin_transformer import SwinTransformerBlock
     from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    kinds = (Block, SwinTransformerBlock, BertLayer, LlamaDecoderLayer)
+    kinds = (Block, SwinTransformerBlock, BertLayer, GPT2Block, LlamaDecoderLayer)
     for block in [module for module in model.modules() if isinstance(module, kinds)]:
         fully_shard(block)
     return fully_shard(model)

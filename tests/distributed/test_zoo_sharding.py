@@ -6,9 +6,9 @@ BERT's embeddings tied to their output layers, in every sharded form: under
 the owner projects each orientation of a tied weight (before 2026-12-02 Llama
 failed in the backward pass and GPT-2 raised a `ValueError` there). timm's ViT
 and torchvision's Swin under FSDP2 with a unit per block (before 2026-12-04 the
-layers inside the units, and those in the root's, got no statistics), and Llama
-and BERT so (before 2026-12-04 their embeddings, FSDP2's column shards of `Γ`,
-raised a `ValueError`).
+layers inside the units, and those in the root's, got no statistics), and the
+language models so (before 2026-12-04 their embeddings and GPT-2's `Conv1D`
+layers, FSDP2's column shards of `Γ`, raised a `ValueError`).
 """
 
 from __future__ import annotations

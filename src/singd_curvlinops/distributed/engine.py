@@ -51,6 +51,7 @@ from singd_curvlinops.distributed.fsdp import (
     chunk_size,
     is_sharded,
     local,
+    split_bias,
     splits_columns,
 )
 from singd_curvlinops.distributed.layout import (
@@ -276,9 +277,10 @@ class GatheredStep:
         items = []
         for layer in layers:
             d_K, d_C = layer.dims
-            if layer in sharded:
+            if layer in sharded:  # (and the bias column beside column shards)
                 size = chunk_size(layer, self.world)
-                shape = (d_C, size) if splits_columns(layer) else (size, d_K)
+                columns = (d_C, size + split_bias(layer))
+                shape = columns if splits_columns(layer) else (size, d_K)
             elif self._split(layer):  # every rank sends its term of the sum
                 shape = (d_C, d_K)
             elif self._local(layer) or self.plan[layer].direction_owner != r:
@@ -416,6 +418,8 @@ class GatheredStep:
         padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
         if direction is not None:  # a short shard: rows, or columns
             axis = int(splits_columns(item.layer))
+            if split_bias(item.layer):  # the bias column last
+                padded[:, -1], direction = direction[:, -1], direction[:, :-1]
             padded.narrow(axis, 0, direction.shape[axis]).copy_(direction)
         return padded
 
@@ -456,17 +460,28 @@ class GatheredStep:
         Args:
             layer: The layer.
             parts: Per rank, its padded rows of \(Y = \Gamma P_K\) (columns of
-                \(Z = P_C \Gamma\), for column shards) and its flag.
+                \(Z = P_C \Gamma\), for column shards, and its term of the
+                bias column beside them) and its flag.
             mine: The number of rows (columns) that this rank holds.
 
         Returns:
-            \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns).
+            \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns, and the whole
+            bias column beside them: the layout of `stepper.gradient`).
         """
         d_K, d_C = layer.dims
         first = self.me * chunk_size(layer, self.world)
         record = self.stepper.preconditioner(layer, (0, 1))
-        if splits_columns(layer):
-            Z = torch.cat([parts[r][0] for r in range(self.world)], dim=1)[:, :d_K]
+        shares = [parts[r][0] for r in range(self.world)]
+        if not splits_columns(layer):
+            Y = torch.cat(shares)[:d_C]
+            return record.apply_side(1, Y, overwrite=True)[first : first + mine]
+        if not split_bias(layer):
+            Z = torch.cat(shares, dim=1)[:, :d_K]
             return record.apply_side(0, Z, overwrite=True)[:, first : first + mine]
-        Y = torch.cat([parts[r][0] for r in range(self.world)])[:d_C]
-        return record.apply_side(1, Y, overwrite=True)[first : first + mine]
+        # the weight's columns, then the sum of the ranks' bias columns (`fsdp`)
+        d_in = d_K - 1
+        weight_part = torch.cat([share[:, :-1] for share in shares], dim=1)
+        bias = torch.stack([share[:, -1] for share in shares], dim=1).sum(1)
+        Z = torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
+        full = record.apply_side(0, Z, overwrite=True)
+        return torch.cat([full[:, first : first + mine], full[:, d_in:]], dim=1)

@@ -20,18 +20,25 @@ price of the row scheme is that every rank holds every factor and applies every
 output side.
 
 **Column shards** (weights stored transposed, `[d_in, d_out]`: `nn.Embedding`'s
-table, Hugging Face's `Conv1D` without a bias). Rank \(r\) holds columns of
-\(\Gamma\), and the same scheme runs with the sides swapped: each rank computes
-its columns of \(Z = P_C \Gamma\), the step's `all_gather` brings the full \(Z\),
-and each rank applies \(P_K\) and keeps its columns of \(\Delta\). A transposed
-layer with a bias (GPT-2's `Conv1D`) is refused: FSDP2 splits its weight by
-\(\Gamma\)'s columns and its bias, \(\Gamma\)'s last column, by rows.
+table, Hugging Face's `Conv1D`). Rank \(r\) holds columns of \(\Gamma\), and the
+same scheme runs with the sides swapped: each rank computes its columns of
+\(Z = P_C \Gamma\), the step's `all_gather` brings the full \(Z\), and each rank
+applies \(P_K\) and keeps its columns of \(\Delta\).
+
+**A bias beside column shards** (GPT-2's `Conv1D`): FSDP2 splits the bias,
+\(\Gamma\)'s last column \(g\), by rows. Rank \(r\)'s block of \(\Gamma\) is
+its weight columns and \(\tilde g_r\), \(g\) with zeros outside its rows
+(`column_block`); \(P_C\) is linear, so the sum of the ranks' last columns of
+\(P_C [\,\Gamma_r\;\tilde g_r\,]\) is \(P_C g\). The direction's block holds this
+rank's weight columns of \(\Delta\) and \(\Delta\)'s whole last column, of which
+the bias takes its rows (`block_parts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
@@ -49,10 +56,9 @@ def is_sharded(layer: Layer) -> bool:
 
     Raises:
         ValueError: For a `DTensor` weight with another placement (tensor
-            parallelism, HSDP), of a layer type whose weight's dimension 0 is
-            neither the rows nor the columns of \(\Gamma\) (an adapter with its
-            own `to_matrix` that does not store the weight transposed), or of a
-            transposed layer with a bias (its two shards split different axes).
+            parallelism, HSDP), or of a layer type whose weight's dimension 0
+            is neither the rows nor the columns of \(\Gamma\) (an adapter with
+            its own `to_matrix` that does not declare the weight transposed).
     """
     weight = layer.weight
     if not isinstance(weight, DTensor):
@@ -64,14 +70,6 @@ def is_sharded(layer: Layer) -> bool:
             f"Layer {layer.name!r} ({adapter.description}) arranges its weight "
             "into Γ in its own way: its FSDP2 shards are neither rows nor "
             "columns of Γ, which sharded preconditioning needs."
-        )
-    if splits_columns(layer) and len(layer.params) > 1:
-        raise ValueError(
-            f"Layer {layer.name!r} ({adapter.description}) stores its weight "
-            "transposed and has a bias: FSDP2 shards the weight by columns of Γ "
-            "and the bias by rows, which sharded preconditioning cannot combine. "
-            "Keep the layer out of fully_shard's units (a unit of its own "
-            "replicated with DDP), or train its bias without it."
         )
     if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         raise ValueError(
@@ -124,15 +122,91 @@ def local(tensor: Tensor) -> Tensor:
 
 
 def chunk_size(layer: Layer, world_size: int) -> int:
-    r"""Return \(c = \lceil n / P \rceil\), the slices of the largest shard.
+    r"""Return \(c = \lceil n / P \rceil\), the slices of the weight's largest shard.
 
     Args:
         layer: A sharded layer.
         world_size: \(P\).
 
     Returns:
-        The number of rows (columns, for column shards) of \(\Gamma\) that
-        every rank's share of \(Y\) (of \(Z\)) is padded to.
+        The number of rows (columns, for column shards) of \(\Gamma\)'s weight
+        part that every rank's share of \(Y\) (of \(Z\)) is padded to.
     """
-    d_K, d_C = layer.dims
-    return -(-(d_K if splits_columns(layer) else d_C) // world_size)
+    return -(-layer.weight.shape[0] // world_size)
+
+
+def split_bias(layer: Layer) -> bool:
+    """Return whether FSDP2 splits the weight by columns of Γ and the bias by rows.
+
+    Args:
+        layer: A sharded layer.
+
+    Returns:
+        True for a column-sharded layer with a bias (module docs).
+    """
+    return splits_columns(layer) and len(layer.params) == 2
+
+
+def bias_rows(layer: Layer, rank: int, world_size: int) -> slice:
+    r"""Return the rows of \(\Gamma\) whose bias entries this rank holds.
+
+    Args:
+        layer: A layer with `split_bias`.
+        rank: This rank.
+        world_size: \(P\).
+
+    Returns:
+        Rows \([r c', r c' + n_r)\), \(c' = \lceil d_C / P \rceil\) and
+        \(n_r\) the length of the local shard.
+    """
+    bias = layer.params[1]
+    first = rank * -(-bias.shape[0] // world_size)
+    return slice(first, first + local(bias).shape[0])
+
+
+def column_block(
+    layer: Layer, grads: list[Tensor | None], rank: int, world_size: int
+) -> Tensor:
+    r"""Return \([\,\Gamma_r\;\tilde g_r\,]\), this rank's block of \(\Gamma\).
+
+    Args:
+        layer: A layer with `split_bias`.
+        grads: The local shards of its weight's and bias's gradients (None:
+            zero).
+        rank: This rank.
+        world_size: \(P\).
+
+    Returns:
+        A new tensor `[d_C, n + 1]`: the weight's \(n\) local columns of
+        \(\Gamma\), then the bias column, zero outside this rank's rows.
+    """
+    weight = local(layer.params[0])
+    grad_weight, grad_bias = grads
+    if grad_weight is None:
+        grad_weight = torch.zeros_like(weight)
+    columns = layer.adapter.to_matrix([grad_weight], (weight,))
+    block = columns.new_zeros(layer.dims[1], columns.shape[1] + 1)
+    block[:, :-1] = columns
+    if grad_bias is not None:
+        block[bias_rows(layer, rank, world_size), -1] = grad_bias
+    return block
+
+
+def block_parts(
+    layer: Layer, block: Tensor, rank: int, world_size: int
+) -> list[Tensor]:
+    r"""Split a direction's block into the local shards of weight and bias.
+
+    Args:
+        layer: A layer with `split_bias`.
+        block: `[d_C, n + 1]`: this rank's weight columns of \(\Delta\), then
+            \(\Delta\)'s whole last column.
+        rank: This rank.
+        world_size: \(P\).
+
+    Returns:
+        The weight's part (in its layout) and the bias's rows.
+    """
+    weight = local(layer.params[0])
+    (part,) = layer.adapter.from_matrix(block[:, :-1], (weight,))
+    return [part, block[bias_rows(layer, rank, world_size), -1]]

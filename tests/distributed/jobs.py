@@ -347,6 +347,14 @@ def _bytes(results: dict[str, Any]) -> None:
         results[f"bytes/{name}/keys"] = sum(  # layers and transposed twins
             1 + (layer.twin is not None) for layer in optimizer.layers
         )
+    for model in ("embed", "conv1d"):  # FSDP2's column shards, with a bias or not
+        case = Case(SPARSE, "fsdp", "replicate", model=model)
+        net = wrap(case, build_model(case.model))
+        optimizer = make_optimizer(case, net)
+        results[f"bytes/fsdp_{model}"] = _recorded(
+            partial(train_step, case, net, optimizer, 0)
+        )
+        results[f"bytes/fsdp_{model}/reported"] = bytes_per_step(optimizer, update=True)
     for distribute in ("replicate", "shard", "owned"):  # a twin's statistics too
         case = Case(DENSE, distribute=distribute, model="tied")
         net = wrap(case, build_model(case.model))

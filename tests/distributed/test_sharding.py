@@ -246,6 +246,35 @@ def test_checkpoints_load_across_strategies(
 
 
 # ------------------------------------------------------------------------ bytes
+def test_fsdp2_column_shards_gather_their_columns(w2: list[dict]) -> None:
+    """Per rank the step's gather holds each layer's padded share (rows of
+    `Γ P_K`, or columns of `C Cᵀ Γ` and the bias column beside them) and a flag,
+    in float64; the embedding's diagonal input side lets each rank finish its
+    columns alone, so its share is missing. `bytes_per_step` says so under
+    `"replicate"` too (before 2026-12-04 it reported no gather there)."""
+    numbers = {
+        # Embedding 31→8: nothing; Linear 8→8 with a bias: 4 rows of 9; the head
+        # Linear 8→31: 16 rows of 8
+        "embed": (4 * 9 + 1) + (16 * 8 + 1),
+        # Conv1D 128→25: 64 columns of 25 and the bias column; Conv1D 25→60:
+        # 13 columns of 60 and the bias column
+        "conv1d": (25 * (64 + 1) + 1) + (60 * (13 + 1) + 1),
+    }
+    for result in w2:
+        for model, count in numbers.items():
+            recorded = result[f"bytes/fsdp_{model}"]
+            reported = result[f"bytes/fsdp_{model}/reported"]
+            assert recorded["all_gather"] == [2 * count * 8]
+            assert reported["gather"] == 2 * count * 8
+            assert sum(recorded["all_reduce"]) == reported["statistics"] > 0
+            # the configuration check (first step), then the step guard's
+            # agreements on the inputs and on the sharded layers' steps: 32-bit
+            # integers, one and one per layer
+            layers = {"embed": 3, "conv1d": 2}[model]
+            assert recorded["checks"][1:] == [4, layers * 4]
+            assert reported["checks"] == 4 + layers * 4
+
+
 @pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
 def test_recorded_bytes_of_tied_weights(w2: list[dict], distribute: str) -> None:
     """The transposed twin's statistics travel next to its layer's: all-reduced

@@ -34,6 +34,13 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   `Replicate` the options' fingerprints travel in the statistics all-reduce:
   one number per rank.
 
+Under `Replicate` with FSDP2's shards every rank preconditions its shards, and
+the step has a gather too (`Replicate.step`): the rows of \(\Gamma P_K\) or
+columns of \(P_C \Gamma\) of every layer whose shards need another rank's (not
+those with a diagonal input side: `fsdp.independent_columns`), and the step
+guard's agreements on the inputs and on the shards' steps (32-bit integers: one,
+then one per sharded layer and sharded fallback parameter).
+
 DDP's own all-reduce of the gradients (the parameters' size, every step) comes
 on top under every strategy.
 """
@@ -45,13 +52,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import any_shards
+from singd_curvlinops.distributed.fsdp import any_shards, is_sharded
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -189,8 +197,11 @@ def bytes_per_step(
         if update and world > 1
         else 0
     )
-    if not isinstance(strategy, Shard) or world == 1:
+    sharded = any_shards(optimizer.layers, optimizer.fallback_params)
+    if world == 1 or not (isinstance(strategy, Shard) or sharded):
         return {"statistics": statistics, "gather": 0, "relay": 0, "checks": 0}
+    if not isinstance(strategy, Shard):
+        return {"statistics": statistics, **_replicated_shards(optimizer, world)}
     layers = list(optimizer.layers)
     groups = optimizer.param_groups
     rule = optimizer.rule
@@ -240,6 +251,31 @@ def bytes_per_step(
         "relay": relay,
         "checks": 8 * check + 4 * verdicts,
     }
+
+
+def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
+    """Return the gather and the checks of `Replicate` under FSDP2 (module docs).
+
+    Args:
+        optimizer: The optimizer, its strategy `Replicate`.
+        world: The number of ranks.
+
+    Returns:
+        `{"gather": ..., "relay": 0, "checks": ...}` in bytes.
+    """
+    layers, fallback = list(optimizer.layers), optimizer.fallback_params
+    stepper = SimpleNamespace(state=optimizer.state, rule=optimizer.rule)
+    plan = dict.fromkeys(layers)
+    step = GatheredStep(
+        stepper, plan, share_state=False, dense_statistics=False, world=world
+    )
+    _, layout = step.layouts(layers, [False] * len(layers))
+    largest = max(sum(item.numel for item in share) for share in layout)
+    itemsize = buffer_dtype(layers, optimizer.param_groups).itemsize
+    # the inputs' verdict (`verdicts.inputs_verdict`), then the shards' steps
+    verdicts = 1 + sum(map(is_sharded, layers))
+    verdicts += sum(isinstance(param, DTensor) for param in fallback)
+    return {"gather": world * largest * itemsize, "relay": 0, "checks": 4 * verdicts}
 
 
 def _column_bytes(layers: list, groups: list, world: int) -> int:

@@ -49,6 +49,7 @@ from singd_curvlinops.distributed.collectives import (
 )
 from singd_curvlinops.distributed.fsdp import (
     chunk_size,
+    independent_columns,
     is_sharded,
     local,
     split_bias,
@@ -277,6 +278,8 @@ class GatheredStep:
         items = []
         for layer in layers:
             d_K, d_C = layer.dims
+            if layer in sharded and independent_columns(layer):
+                continue  # (finished by each rank alone)
             if layer in sharded:  # (and the bias column beside column shards)
                 size = chunk_size(layer, self.world)
                 columns = (d_C, size + split_bias(layer))
@@ -320,12 +323,33 @@ class GatheredStep:
             record = self.stepper.preconditioner(layer, (assignment.anchor,))
             return record.apply_side(assignment.anchor, half, overwrite=True)
         record = self.stepper.preconditioner(layer, (0, 1))
+        if sharded and independent_columns(layer):  # finished here
+            self.stepper.apply(layer, self._scaled_columns(layer, record, grad))
+            return None
         if sharded:  # its rows of Γ P_K, or its columns of P_C Γ
             return record.apply_side(int(splits_columns(layer)), grad, overwrite=True)
         if local_work:  # replicated work on this rank alone
             self.stepper.apply(layer, record.apply(grad, overwrite=True))
             return None
         return record.apply(grad, overwrite=True)
+
+    def _scaled_columns(self, layer: Layer, record: Any, grad: Tensor) -> Tensor:
+        r"""Return \((P_C \Gamma_r) P_K[r, r]\) for a diagonal \(P_K\).
+
+        Args:
+            layer: A layer with `fsdp.independent_columns`.
+            record: Its preconditioner.
+            grad: This rank's columns \(\Gamma_r\) (overwritten).
+
+        Returns:
+            This rank's columns of \(\Delta\), in the weight's dtype.
+        """
+        d_K, first = layer.dims[0], self.me * chunk_size(layer, self.world)
+        ones = torch.ones(1, d_K, dtype=grad.dtype, device=grad.device)
+        diagonal = record.apply_side(0, ones, overwrite=True)[0]  # 1ᵀ P_K
+        direction = record.apply_side(1, grad, overwrite=True)
+        direction = direction * diagonal[first : first + grad.shape[1]]
+        return direction.to(local(layer.weight).dtype)
 
     def _local(self, layer: Layer) -> bool:
         """Return whether every rank preconditions the layer itself.

@@ -23,7 +23,10 @@ output side.
 table, Hugging Face's `Conv1D`). Rank \(r\) holds columns of \(\Gamma\), and the
 same scheme runs with the sides swapped: each rank computes its columns of
 \(Z = P_C \Gamma\), the step's `all_gather` brings the full \(Z\), and each rank
-applies \(P_K\) and keeps its columns of \(\Delta\).
+applies \(P_K\) and keeps its columns of \(\Delta\). Where \(P_K\) is diagonal
+(a `"diagonal"` input side, as an embedding's one-hot side always is), each
+rank scales its columns of \(Z\) by its entries of \(P_K\)'s diagonal and
+nothing travels (`independent_columns`).
 
 **A bias beside column shards** (GPT-2's `Conv1D`): FSDP2 splits the bias,
 \(\Gamma\)'s last column \(g\), by rows. Rank \(r\)'s block of \(\Gamma\) is
@@ -119,6 +122,27 @@ def local(tensor: Tensor) -> Tensor:
         A plain tensor sharing the storage (in-place updates reach the parameter).
     """
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def independent_columns(layer: Layer) -> bool:
+    r"""Return whether each rank finishes its column shard of \(\Delta\) alone.
+
+    With a `"diagonal"` input side (an embedding's one-hot side is always
+    stored as one) \(P_K\) is diagonal, so this rank's columns
+    \(\Delta_r = (P_C \Gamma_r) P_K[r, r]\) need no other rank's, and nothing
+    travels (module docs).
+
+    Args:
+        layer: A sharded layer.
+
+    Returns:
+        True for column shards without a bias and with a diagonal input side.
+    """
+    return (
+        splits_columns(layer)
+        and not split_bias(layer)
+        and layer.structures[0] == "diagonal"
+    )
 
 
 def chunk_size(layer: Layer, world_size: int) -> int:

@@ -212,6 +212,9 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     grafted = Case({**SPARSE, "graft": "adamw"}, distribute="owned")
     _resume(results, out, grafted, "owned-graft")
     _resume(results, out, Case(SPARSE, "fsdp"), "fsdp", files=False)
+    for model in ("embed", "conv1d"):  # column shards (a bias beside them)
+        case = Case(DENSE, "fsdp", model=model)
+        _resume(results, out, case, f"fsdp-{model}", files=False)
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")

@@ -53,8 +53,8 @@ def full_params(model):
 
 CASES = []
 for wrap_name in ("ddp", "fsdp"):
-    # documented refusals under FSDP2: Shard(factors="owned"), tied weights and
-    # Embedding row shards (clear ValueErrors, tested in CI)
+    # the documented refusal under FSDP2: Shard(factors="owned") (a clear
+    # ValueError, tested in CI)
     fsdp = wrap_name == "fsdp"
     strategies = (
         ("replicate", "shard", "factors")
@@ -96,8 +96,9 @@ for wrap_name in ("ddp", "fsdp"):
     )
     # "block": two layers in one FSDP2 unit; "attention": an encoder layer unit
     # and an nn.MultiheadAttention unit (both wrong under FSDP2 before 2026-12-04)
-    models = ("norm", "two", "block", "attention")
-    for model in models if fsdp else (*models, "tied", "embed"):
+    # "tied", "embed", "conv1d": FSDP2's column shards (refused before 2026-12-04)
+    models = ("norm", "two", "block", "attention", "tied", "embed", "conv1d")
+    for model in models:
         CASES.append(
             (
                 f"{wrap_name} shard model={model}",

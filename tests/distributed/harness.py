@@ -175,6 +175,13 @@ class TwoHeads(nn.Module):
         return self.heads[head](torch.tanh(self.body(X)))
 
 
+def with_unused_parameters(model: nn.Module) -> nn.Module:
+    """Wrap `model` in DDP that allows unused parameters (in a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    return DistributedDataParallel(model, find_unused_parameters=True)
+
+
 def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
     """Train `TwoHeads` (T = 2) with the heads in turn; one process: the whole batch.
 
@@ -184,11 +191,7 @@ def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = TwoHeads().double()
-    net = (
-        DistributedDataParallel(model, find_unused_parameters=True)
-        if world > 1
-        else model
-    )
+    net = with_unused_parameters(model)
     optimizer = SINGD(net, distribute=strategy(distribute), **{**DENSE, "T": 2})
     for step in range(steps):
         generator = torch.Generator().manual_seed(step)
@@ -197,6 +200,50 @@ def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
         local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         optimizer.zero_grad()
         F.cross_entropy(net(X[local], step % 2), y[local]).backward()
+        optimizer.step()
+    return params(model)
+
+
+class RoutedHeads(TwoHeads):
+    """`TwoHeads` with each example routed by the sign of its first input (a
+    mixture of experts' router): a head that none of a rank's examples reach is
+    not called there, and that rank has no statistics for it."""
+
+    def forward(self, X: Tensor) -> Tensor:
+        hidden = torch.tanh(self.body(X))
+        routes = (X[:, 0] <= 0).long()
+        out = hidden.new_zeros(len(X), 3)
+        for index, head in enumerate(self.heads):
+            if (routes == index).any():
+                out[routes == index] = head(hidden[routes == index])
+        return out
+
+
+def train_routed(
+    distribute: str, kfac: bool = False, steps: int = STEPS
+) -> list[Tensor]:
+    """Train `RoutedHeads` (dense, T = 1; or KFAC); one process: the whole batch.
+
+    The first half of the global batch goes to the first head, the rest to the
+    second: on two ranks each head sees one rank's examples only (on three, the
+    middle rank's are split), and DDP (`find_unused_parameters`) averages its
+    gradient over all ranks.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = RoutedHeads().double()
+    net = with_unused_parameters(model)
+    cls, options = (KFAC, KFAC_OPTIONS) if kfac else (SINGD, DENSE)
+    optimizer = cls(net, distribute=strategy(distribute), **options)
+    first_half = torch.where(torch.arange(BATCH) < BATCH // 2, 1.0, -1.0)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        X = torch.randn(BATCH, 8, generator=generator, dtype=torch.float64)
+        X[:, 0] = X[:, 0].abs() * first_half
+        y = torch.randint(0, 3, (BATCH,), generator=generator)
+        local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        optimizer.zero_grad()
+        F.cross_entropy(net(X[local]), y[local]).backward()
         optimizer.step()
     return params(model)
 

@@ -46,6 +46,7 @@ from tests.distributed.harness import (
     params,
     train,
     train_heads,
+    train_routed,
     train_step,
     wrap,
 )
@@ -144,6 +145,7 @@ CASES_W3 = {
     "fsdp_conv1d": Case(DENSE, "fsdp", model="conv1d"),  # 43, 43, 42 columns
 }
 RESUME_AT = 3
+ROUTED = ("replicate", "shard", "owned", "factors")
 
 
 def _plan(optimizer: Any) -> list:
@@ -230,6 +232,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     for distribute in ("replicate", "shard", "owned", "factors"):
         results[f"heads/{distribute}"] = train_heads(distribute)
         results[f"buffers/{distribute}"] = _buffers(distribute)
+    _routed(results)
     for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
         case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
         results[f"bfloat16/{distribute}"] = params(train(case)[0])
@@ -239,6 +242,14 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
 
 def train_w3(results: dict[str, Any], out: Path) -> None:
     _equivalence(results, CASES_W3)
+    _routed(results)
+
+
+def _routed(results: dict[str, Any]) -> None:
+    """Heads that some ranks' examples do not reach (`train_routed`)."""
+    for distribute in ROUTED:
+        results[f"routed/{distribute}"] = train_routed(distribute)
+        results[f"routed/{distribute}/kfac"] = train_routed(distribute, kfac=True)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -26,8 +26,9 @@ from tests.distributed.harness import (
     reference,
     spawn,
     train_heads,
+    train_routed,
 )
-from tests.distributed.jobs import CASES_W2, CASES_W3
+from tests.distributed.jobs import CASES_W2, CASES_W3, ROUTED
 
 # `StepCheck` on two ranks: each rank's configuration checksum, step count and
 # options' fingerprint, in float64
@@ -109,6 +110,22 @@ def test_layers_without_gradients_sit_out_alike(w2: list[dict], distribute) -> N
     expected = train_heads("replicate")
     for result in w2:
         _assert_close(result[f"heads/{distribute}"], expected)
+
+
+@pytest.mark.parametrize("kfac", [False, True], ids=["singd", "kfac"])
+@pytest.mark.parametrize("distribute", ROUTED)
+def test_a_layer_that_a_rank_does_not_reach_is_reduced_alike(
+    w2: list[dict], w3: list[dict], distribute: str, kfac: bool
+) -> None:
+    """A routed head gets statistics from some ranks only: the others take part
+    in the exchange with zeros and no examples (a mixture of experts' layout)."""
+    expected = train_routed("replicate", kfac=kfac)
+    initial = train_routed("replicate", kfac=kfac, steps=0)
+    key = f"routed/{distribute}" + ("/kfac" if kfac else "")
+    for result in w2 + w3:
+        _assert_close(result[key], expected)
+    moved = [(q - p).abs().max() for p, q in zip(initial, expected, strict=True)]
+    assert min(moved) > 1e-3  # both heads and the body train
 
 
 def test_shard_equals_replicate_and_moves_the_parameters(w2: list[dict]) -> None:

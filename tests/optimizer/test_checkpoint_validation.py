@@ -180,6 +180,20 @@ CORRUPTIONS = [
      r"state_dict lacks 'param_groups'"),
     ("entry-not-a-mapping", _set(("state", 3), 5), TypeError,
      r"state_dict\['state'\]\[3\] must be a mapping"),
+    ("groups-not-a-list", _set(("param_groups",), {"params": []}), TypeError,
+     r"state_dict\['param_groups'\] must be a list, got dict"),
+    ("group-not-a-mapping", _set(("param_groups", 0), [0, 1]), TypeError,
+     r"state_dict\['param_groups'\]\[0\] must be a mapping, got list"),
+    ("params-not-a-list", _set(("param_groups", 0, "params"), 6), TypeError,
+     r"state_dict\['param_groups'\]\[0\]\['params'\] must be a list of parameter "
+     r"ids, got int"),
+    ("params-unhashable", _set(("param_groups", 0, "params"), [0, 1, [2], 3, 4, 5]),
+     ValueError, r"\['params'\] repeats or has an invalid parameter id \[2\]"),
+    ("params-too-few", _set(("param_groups", 0, "params"), [0, 1, 2]), ValueError,
+     r"parameter groups of sizes \[3\], this optimizer of sizes \[6\]"),
+    ("graft-step-alone", _set(("state", 0, "graft_step"), 3), ValueError,
+     r"state_dict\['state'\]\[0\] \(layer '0'\) has 'graft_step' without the "
+     r"grafting moments"),
 ]  # fmt: skip
 
 
@@ -200,6 +214,14 @@ def test_corrupted_state_dict_raises_and_changes_nothing(
     assert_unchanged(model, optimizer, before)
     train(model, optimizer, range(3, 5))  # and it still trains
     assert all_finite(model, optimizer)
+
+
+def test_a_state_dict_that_is_not_a_mapping_raises_and_changes_nothing() -> None:
+    model, optimizer, saved = _trained(momentum=0.9)
+    before = snapshot(model, optimizer)
+    with pytest.raises(TypeError, match="state_dict must be a mapping, got list"):
+        optimizer.load_state_dict(list(saved.items()))
+    assert_unchanged(model, optimizer, before)
 
 
 @pytest.mark.parametrize(

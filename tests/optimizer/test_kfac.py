@@ -203,3 +203,22 @@ def test_singd_options_in_a_group_raise(cls, options, pattern) -> None:
     with pytest.raises(ValueError, match=pattern):
         optimizer.param_groups[0].update(options)
         nn.functional.cross_entropy(model(batch()[0]), batch()[1]).backward()
+
+
+@pytest.mark.parametrize("side", ["dense", "diagonal"])
+def test_a_singular_damped_factor_raises_and_names_damping(side: str) -> None:
+    """With `damping=0` a factor of fewer examples than dimensions is singular:
+    rank-one inputs of a linear layer (dense), an embedding whose vocabulary the
+    batch does not cover (its one-hot side, diagonal)."""
+    torch.manual_seed(0)
+    if side == "dense":
+        model = nn.Sequential(nn.Linear(6, 3)).double()
+        X = torch.zeros(4, 6, dtype=torch.float64)
+        X[:, 0] = 1.0
+    else:
+        model = nn.Sequential(nn.Embedding(8, 3), nn.Flatten()).double()
+        X = torch.tensor([[0], [1], [2], [1]])
+    optimizer = KFAC(model, lr=0.1, damping=0.0, T=1)
+    nn.functional.cross_entropy(model(X), torch.tensor([0, 1, 2, 0])).backward()
+    with pytest.raises(ValueError, match=r"singular \(damping=0\.0\); increase dam"):
+        optimizer.step()

@@ -44,6 +44,7 @@ from tests.distributed.harness import (
     build_model,
     make_optimizer,
     params,
+    step_recording_warnings,
     train,
     train_heads,
     train_routed,
@@ -233,6 +234,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         results[f"heads/{distribute}"] = train_heads(distribute)
         results[f"buffers/{distribute}"] = _buffers(distribute)
     _routed(results)
+    for model in ("three", "embed", "conv1d"):  # rows, columns, a bias beside them
+        results[f"fsdp_bfloat16/{model}"] = train_mixed_precision(model)
     for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
         case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
         results[f"bfloat16/{distribute}"] = params(train(case)[0])
@@ -243,6 +246,41 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
 def train_w3(results: dict[str, Any], out: Path) -> None:
     _equivalence(results, CASES_W3)
     _routed(results)
+
+
+def train_mixed_precision(model_name: str, steps: int = 4) -> dict[str, Any]:
+    """Train in float32 under FSDP2 computing in bfloat16 (`MixedPrecisionPolicy`,
+    the usual configuration of large models); one process: float32 throughout.
+
+    Returns:
+        The parameters, and the warnings of the steps (a layer without
+        statistics would warn).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    case = Case(DENSE, "fsdp", model=model_name)
+    model = build_model(model_name).float()
+    net = model
+    if world > 1:
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mp_policy=policy)
+        net = fully_shard(model, mp_policy=policy)
+    optimizer = make_optimizer(case, net)
+    messages = []
+    for step in range(steps):
+        X, y = batch(step, model_name)
+        X = X.float() if X.is_floating_point() else X
+        local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        optimizer.zero_grad()
+        F.cross_entropy(net(X[local]).float(), y[local]).backward()
+        messages += step_recording_warnings(optimizer)
+    return {"params": params(model), "messages": messages}
 
 
 def _routed(results: dict[str, Any]) -> None:

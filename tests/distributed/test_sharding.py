@@ -28,7 +28,12 @@ from tests.distributed.harness import (
     train_heads,
     train_routed,
 )
-from tests.distributed.jobs import CASES_W2, CASES_W3, ROUTED
+from tests.distributed.jobs import (
+    CASES_W2,
+    CASES_W3,
+    ROUTED,
+    train_mixed_precision,
+)
 
 # `StepCheck` on two ranks: each rank's configuration checksum, step count and
 # options' fingerprint, in float64
@@ -126,6 +131,24 @@ def test_a_layer_that_a_rank_does_not_reach_is_reduced_alike(
         _assert_close(result[key], expected)
     moved = [(q - p).abs().max() for p, q in zip(initial, expected, strict=True)]
     assert min(moved) > 1e-3  # both heads and the body train
+
+
+@pytest.mark.parametrize("model", ["three", "embed", "conv1d"])
+def test_fsdp2_computing_in_bfloat16_follows_float32(w2: list[dict], model: str):
+    """Under `MixedPrecisionPolicy(param_dtype=bfloat16)` the hooks see bfloat16
+    copies of the float32 shards: every layer still gets its statistics (no
+    warning), and after four steps each parameter's distance from the float32
+    run of one process is a small fraction of how far that run moved it."""
+    expected = train_mixed_precision(model)
+    initial = train_mixed_precision(model, steps=0)["params"]
+    for result in w2:
+        actual = result[f"fsdp_bfloat16/{model}"]
+        assert actual["messages"] == []
+        for p, q, start in zip(
+            actual["params"], expected["params"], initial, strict=True
+        ):
+            assert p.dtype == torch.float32
+            assert (p - q).abs().max() < 0.5 * (q - start).abs().max()
 
 
 def test_shard_equals_replicate_and_moves_the_parameters(w2: list[dict]) -> None:

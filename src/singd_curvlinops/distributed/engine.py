@@ -10,7 +10,7 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    after its update and sends the half product point-to-point to the anchor's
    owner, which applies the anchor side; a layer sharded by FSDP2 has every
    rank precondition its rows of \(\Gamma P_K\) (its columns of
-   \(P_C \Gamma\), for column shards: see `fsdp`); a layer whose
+   \(P_C \Gamma\), for column shards: see `fsdp` and `shards`); a layer whose
    \(K\) is split by column blocks has every rank compute its term of
    \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
    updated before, together, in a collective of their own: see `columns`);
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops.distributed import columns, formed_statistics
+from singd_curvlinops.distributed import columns, formed_statistics, shards
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
@@ -47,14 +47,7 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
-from singd_curvlinops.distributed.fsdp import (
-    chunk_size,
-    independent_columns,
-    is_sharded,
-    local,
-    split_bias,
-    splits_columns,
-)
+from singd_curvlinops.distributed.fsdp import independent_columns, is_sharded, local
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -278,12 +271,10 @@ class GatheredStep:
         items = []
         for layer in layers:
             d_K, d_C = layer.dims
-            if layer in sharded and independent_columns(layer):
-                continue  # (finished by each rank alone)
-            if layer in sharded:  # (and the bias column beside column shards)
-                size = chunk_size(layer, self.world)
-                columns = (d_C, size + split_bias(layer))
-                shape = columns if splits_columns(layer) else (size, d_K)
+            if layer in sharded:
+                shape = shards.share_shape(layer, self.world)
+                if shape is None:  # (finished by each rank alone)
+                    continue
             elif self._split(layer):  # every rank sends its term of the sum
                 shape = (d_C, d_K)
             elif self._local(layer) or self.plan[layer].direction_owner != r:
@@ -324,32 +315,15 @@ class GatheredStep:
             return record.apply_side(assignment.anchor, half, overwrite=True)
         record = self.stepper.preconditioner(layer, (0, 1))
         if sharded and independent_columns(layer):  # finished here
-            self.stepper.apply(layer, self._scaled_columns(layer, record, grad))
+            direction = shards.scaled_columns(layer, record, grad, self.me, self.world)
+            self.stepper.apply(layer, direction)
             return None
         if sharded:  # its rows of Γ P_K, or its columns of P_C Γ
-            return record.apply_side(int(splits_columns(layer)), grad, overwrite=True)
+            return shards.half_product(layer, record, grad)
         if local_work:  # replicated work on this rank alone
             self.stepper.apply(layer, record.apply(grad, overwrite=True))
             return None
         return record.apply(grad, overwrite=True)
-
-    def _scaled_columns(self, layer: Layer, record: Any, grad: Tensor) -> Tensor:
-        r"""Return \((P_C \Gamma_r) P_K[r, r]\) for a diagonal \(P_K\).
-
-        Args:
-            layer: A layer with `fsdp.independent_columns`.
-            record: Its preconditioner.
-            grad: This rank's columns \(\Gamma_r\) (overwritten).
-
-        Returns:
-            This rank's columns of \(\Delta\), in the weight's dtype.
-        """
-        d_K, first = layer.dims[0], self.me * chunk_size(layer, self.world)
-        ones = torch.ones(1, d_K, dtype=grad.dtype, device=grad.device)
-        diagonal = record.apply_side(0, ones, overwrite=True)[0]  # 1ᵀ P_K
-        direction = record.apply_side(1, grad, overwrite=True)
-        direction = direction * diagonal[first : first + grad.shape[1]]
-        return direction.to(local(layer.weight).dtype)
 
     def _local(self, layer: Layer) -> bool:
         """Return whether every rank preconditions the layer itself.
@@ -440,12 +414,9 @@ class GatheredStep:
         if direction is not None and tuple(direction.shape) == item.shape:
             return direction
         padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
-        if direction is not None:  # a short shard: rows, or columns
-            axis = int(splits_columns(item.layer))
-            if split_bias(item.layer):  # the bias column last
-                padded[:, -1], direction = direction[:, -1], direction[:, :-1]
-            padded.narrow(axis, 0, direction.shape[axis]).copy_(direction)
-        return padded
+        if direction is None:
+            return padded
+        return shards.pad_share(direction, item.layer, padded)  # a short shard
 
     # ---------------------------------------------------------------- apply
     def _apply(
@@ -468,44 +439,12 @@ class GatheredStep:
         if sharded:
             if not any(flag for _, flag in parts.values()):
                 return
-            direction = self._sharded_direction(layer, parts, weight.shape[0])
+            record = self.stepper.preconditioner(layer, (0, 1))
+            received = [parts[r][0] for r in range(self.world)]
+            direction = shards.finish(layer, record, received, self.me, weight.shape[0])
         else:
             assignment = self.plan[layer]
             direction, flag = parts[assignment.direction_owner]
             if not flag:
                 return
         self.stepper.apply(layer, direction.to(weight.dtype))
-
-    def _sharded_direction(
-        self, layer: Layer, parts: dict[int, tuple[Tensor, bool]], mine: int
-    ) -> Tensor:
-        r"""Finish this rank's slice of an FSDP2-sharded layer's \(\Delta\).
-
-        Args:
-            layer: The layer.
-            parts: Per rank, its padded rows of \(Y = \Gamma P_K\) (columns of
-                \(Z = P_C \Gamma\), for column shards, and its term of the
-                bias column beside them) and its flag.
-            mine: The number of rows (columns) that this rank holds.
-
-        Returns:
-            \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns, and the whole
-            bias column beside them: the layout of `stepper.gradient`).
-        """
-        d_K, d_C = layer.dims
-        first = self.me * chunk_size(layer, self.world)
-        record = self.stepper.preconditioner(layer, (0, 1))
-        shares = [parts[r][0] for r in range(self.world)]
-        if not splits_columns(layer):
-            Y = torch.cat(shares)[:d_C]
-            return record.apply_side(1, Y, overwrite=True)[first : first + mine]
-        if not split_bias(layer):
-            Z = torch.cat(shares, dim=1)[:, :d_K]
-            return record.apply_side(0, Z, overwrite=True)[:, first : first + mine]
-        # the weight's columns, then the sum of the ranks' bias columns (`fsdp`)
-        d_in = d_K - 1
-        weight_part = torch.cat([share[:, :-1] for share in shares], dim=1)
-        bias = torch.stack([share[:, -1] for share in shares], dim=1).sum(1)
-        Z = torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
-        full = record.apply_side(0, Z, overwrite=True)
-        return torch.cat([full[:, first : first + mine], full[:, d_in:]], dim=1)

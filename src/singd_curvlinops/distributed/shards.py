@@ -1,0 +1,136 @@
+r"""An FSDP2-sharded layer's part in a gathered step (the schemes: `fsdp`).
+
+Each rank computes its share of a sharded layer's half product (`half_product`:
+its rows of \(Y = \Gamma P_K\), or its columns of \(Z = P_C \Gamma\) and the bias
+column beside them), sends it padded to the largest share (`share_shape`,
+`pad_share`) in the step's `all_gather`, and finishes its own slice of
+\(\Delta\) from every rank's share (`finish`). A column-sharded layer with a
+diagonal \(P_K\) sends nothing: each rank finishes its columns alone
+(`scaled_columns`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from singd_curvlinops.distributed.fsdp import (
+    chunk_size,
+    independent_columns,
+    local,
+    split_bias,
+    splits_columns,
+)
+from singd_curvlinops.layers import Layer
+
+
+def share_shape(layer: Layer, world_size: int) -> tuple[int, int] | None:
+    """Return the shape of every rank's share of the layer in the gather.
+
+    Args:
+        layer: A sharded layer.
+        world_size: The number of ranks.
+
+    Returns:
+        `(c, d_K)` for row shards, `(d_C, c)` for column shards (`c + 1` with a
+        bias beside them), `c` the largest shard; None where each rank finishes
+        its columns alone (`fsdp.independent_columns`).
+    """
+    if independent_columns(layer):
+        return None
+    d_K, d_C = layer.dims
+    size = chunk_size(layer, world_size)
+    if splits_columns(layer):
+        return d_C, size + split_bias(layer)
+    return size, d_K
+
+
+def half_product(layer: Layer, record: Any, grad: Tensor) -> Tensor:
+    r"""Return its rows of \(\Gamma P_K\), or its columns of \(P_C \Gamma\).
+
+    Args:
+        layer: A sharded layer that sends a share (`share_shape`).
+        record: Its preconditioner.
+        grad: This rank's block of \(\Gamma\) (`LayerStepper.gradient`;
+            overwritten).
+
+    Returns:
+        The share, unpadded.
+    """
+    return record.apply_side(int(splits_columns(layer)), grad, overwrite=True)
+
+
+def pad_share(share: Tensor, layer: Layer, padded: Tensor) -> Tensor:
+    """Copy a short shard's share into zeros of the full share's shape.
+
+    Args:
+        share: This rank's share (fewer rows, or columns, than the largest).
+        layer: Its layer.
+        padded: Zeros of the shape of `share_shape` (written).
+
+    Returns:
+        `padded`: the rows (columns) first, a bias column last.
+    """
+    if split_bias(layer):
+        padded[:, -1], share = share[:, -1], share[:, :-1]
+    axis = int(splits_columns(layer))
+    padded.narrow(axis, 0, share.shape[axis]).copy_(share)
+    return padded
+
+
+def finish(
+    layer: Layer, record: Any, shares: list[Tensor], rank: int, mine: int
+) -> Tensor:
+    r"""Finish this rank's slice of the layer's \(\Delta\) from every rank's share.
+
+    Args:
+        layer: A sharded layer that sends a share.
+        record: Its preconditioner.
+        shares: Per rank, its padded share.
+        rank: This rank.
+        mine: The number of rows (columns) that this rank holds.
+
+    Returns:
+        \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns, and the whole bias
+        column beside them: the layout of `LayerStepper.gradient`).
+    """
+    d_K, d_C = layer.dims
+    first = rank * chunk_size(layer, len(shares))
+    if not splits_columns(layer):
+        Y = torch.cat(shares)[:d_C]
+        return record.apply_side(1, Y, overwrite=True)[first : first + mine]
+    if not split_bias(layer):
+        Z = torch.cat(shares, dim=1)[:, :d_K]
+        return record.apply_side(0, Z, overwrite=True)[:, first : first + mine]
+    # the weight's columns, then the sum of the ranks' bias columns (`fsdp`)
+    d_in = d_K - 1
+    weight_part = torch.cat([share[:, :-1] for share in shares], dim=1)
+    bias = torch.stack([share[:, -1] for share in shares], dim=1).sum(1)
+    Z = torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
+    full = record.apply_side(0, Z, overwrite=True)
+    return torch.cat([full[:, first : first + mine], full[:, d_in:]], dim=1)
+
+
+def scaled_columns(
+    layer: Layer, record: Any, grad: Tensor, rank: int, world_size: int
+) -> Tensor:
+    r"""Return \((P_C \Gamma_r) P_K[r, r]\) for a diagonal \(P_K\).
+
+    Args:
+        layer: A layer with `fsdp.independent_columns`.
+        record: Its preconditioner.
+        grad: This rank's columns \(\Gamma_r\) (overwritten).
+        rank: This rank.
+        world_size: The number of ranks.
+
+    Returns:
+        This rank's columns of \(\Delta\), in the weight's dtype.
+    """
+    d_K, first = layer.dims[0], rank * chunk_size(layer, world_size)
+    ones = torch.ones(1, d_K, dtype=grad.dtype, device=grad.device)
+    diagonal = record.apply_side(0, ones, overwrite=True)[0]  # 1ᵀ P_K
+    direction = record.apply_side(1, grad, overwrite=True)
+    direction = direction * diagonal[first : first + grad.shape[1]]
+    return direction.to(local(layer.weight).dtype)

@@ -148,7 +148,6 @@ def layer_steps(
         that applies them all given the verdict; None without a gradient.
     """
     params = [local(p) for p in layer.params]
-    split = parts is not None  # (then `direction` holds more than the parts)
     parts = layer.from_matrix(direction, params) if parts is None else parts
     stepped = [
         (mine, part, local(state[param]["momentum_buffer"]), group)
@@ -161,9 +160,9 @@ def layer_steps(
         return None
     mine, parts, buffers, param_groups = zip(*stepped, strict=True)
     storage = direction.untyped_storage().data_ptr()
-    views = (
-        not split
-        and len(stepped) == len(params)
+    views = (  # the parts are the whole direction (not a bias's rows of it)
+        len(stepped) == len(params)
+        and sum(part.numel() for part in parts) == direction.numel()
         and all(part.untyped_storage().data_ptr() == storage for part in parts)
     )
     return checked_parameter_steps(

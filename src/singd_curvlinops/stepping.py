@@ -280,7 +280,7 @@ class LayerStepper:
             return params[0].new_zeros((d_C, 0) if splits_columns(layer) else (0, d_K))
         else:
             grad = layer.gradient_matrix(params, grads)
-        if grad is not None and self._grad_scale is not None:
+        if self._grad_scale is not None:
             parameter_update.unscale_(grad, self._grad_scale)
         return grad
 

@@ -239,7 +239,7 @@ def precondition_input_side(
     r"""Return \(\Gamma K K^\top = (K (K^\top \Gamma^\top))^\top\), in `K`'s dtype.
 
     The input-side half of `precondition`; any number of rows of \(\Gamma\) works
-    (a sharded gradient preconditions its rows or columns alone).
+    (FSDP2's row shards precondition their rows alone).
 
     Args:
         grad: \(\Gamma\) or some of its rows, `[rows, d_K]`.
@@ -268,7 +268,8 @@ def precondition_output_side(
 ) -> Tensor:
     r"""Return \(C C^\top M = C (C^\top M)\), in `C`'s dtype.
 
-    The output-side half of `precondition`.
+    The output-side half of `precondition`; any number of columns works
+    (FSDP2's column shards precondition their columns alone).
 
     Args:
         mat: \(M\), `[d_C, columns]`.

@@ -23,6 +23,7 @@ from singd_curvlinops.rules import FactorRule, Preconditioner
 from singd_curvlinops.rules.factors import load_factor, store_factor
 from singd_curvlinops.shell import KroneckerOptimizer
 from singd_curvlinops.structures import DiagonalMatrix
+from tests.layers._helpers import train_without_warnings
 
 DAMPING = 1e-3
 
@@ -146,13 +147,7 @@ def test_the_rule_trains_and_its_checkpoint_continues_the_run() -> None:
     model = _model()
     optimizer = DiagonalRoot(model, ema_decay=0.9, T=2)
     X, y = _batch(0)
-    losses = []
-    for _ in range(20):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_without_warnings(model, optimizer, X, y, steps=20)
     assert losses[-1] < 0.9 * losses[0]
 
     buffer = io.BytesIO()

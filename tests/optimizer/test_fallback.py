@@ -22,6 +22,7 @@ from singd_curvlinops.rules.fallback import (
     unregister_fallback,
 )
 from singd_curvlinops.verdicts import COUNTERS
+from tests.layers._helpers import train_without_warnings
 
 
 def _model() -> nn.Module:
@@ -234,13 +235,7 @@ def test_parametrized_layers_go_to_the_fallback(parametrize) -> None:
     computing = set(model[0].parameters())
     assert computing == set(optimizer.fallback_params)
     X, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_without_warnings(model, optimizer, X, y, steps=5)
     assert losses[-1] < losses[0]
     assert all(optimizer.state[p]["step"] == 5 for p in computing)
 

@@ -8,7 +8,7 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 - `assignment`: the per-structure cost model and the balanced assignment.
 - `engine`: one step of a sharded strategy, `layout`: what its `all_gather`
   holds; `ownership`: factors kept by owners only; `fsdp`: FSDP2's sharded layers
-  (rows or columns of Γ).
+  (rows or columns of Γ), `shards`: their part in the engine's step.
 - `owner_statistics`: `Shard`'s statistics exchange, each side reduced to its
   owner in one all-to-all; `summary`: the all-reduce before it (counts,
   traces, rows, and the step check at its head).

@@ -15,9 +15,10 @@ remedy (the guide page *Failure modes* has the user's view):
    the first place); for the other rules the guard copies the entries first.
 3. **Parameter updates.** Per layer: its new parameters and momentum buffers
    (`update.checked_parameter_steps`) and grafting moments; per fallback
-   parameter: its new value and its rule's state. If any is not finite, that
-   layer's (or parameter's) update is *skipped*: it keeps its parameters and
-   state, the other layers step.
+   parameter: its new value and its rule's state. If any is not finite (an
+   absurd `lr`; a preconditioner that is not, such as KFAC's inverse of a
+   singular damped factor), that layer's (or parameter's) update is *skipped*:
+   it keeps its parameters and state, the other layers step.
 
 Each verdict is a 0-d boolean tensor on the device (`singd_curvlinops.verdicts`),
 and every change is kept or undone on the device, so no verdict needs the host
@@ -79,6 +80,7 @@ class StepGuard:
         agree: Makes the ranks' verdicts one (a minimum over the ranks; the
             identity where every rank decides alike).
         hint: The likely cause of a discarded factor update, and its remedy.
+        skip_hint: The likely cause of a layer's skipped update, and its remedy.
         factor_names: The factor of each side, as the warnings name it
             (`("K", "C")` for SINGD, `("A", "G")` for KFAC).
     """
@@ -94,9 +96,11 @@ class StepGuard:
         *,
         agree: Callable[[Tensor], Tensor],
         hint: str,
+        skip_hint: str,
         factor_names: tuple[str, str] = ("K", "C"),
     ) -> None:
-        self.optimizer, self.state, self.hint = optimizer, state, hint
+        self.optimizer, self.state = optimizer, state
+        self.hint, self.skip_hint = hint, skip_hint
         self.factor_names = factor_names
         self.layers, self.due, self.fallback = list(layers), list(due), list(fallback)
         self.inputs, self.device, self._agree = inputs, inputs.device, agree
@@ -405,11 +409,7 @@ class StepGuard:
             if isinstance(key, Layer):
                 params = [p for p in key.params if p.grad is not None]
                 what = f"the update of layer {key.name!r}"
-                cause = (
-                    "lr too large for the layer's preconditioned gradient, or "
-                    "factors too large (damping too small): lower lr or raise "
-                    "damping"
-                )
+                cause = self.skip_hint
             else:
                 params = [key]
                 what = f"the fallback update of parameter {names[key]!r}"

@@ -42,6 +42,7 @@ from singd_curvlinops import (
     verdicts,
 )
 from singd_curvlinops._hyperparameters import check_positive
+from singd_curvlinops.bounds import finite
 from singd_curvlinops.collection_plan import CollectionPlan
 from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
@@ -178,8 +179,21 @@ class KroneckerOptimizer(
 
         Returns:
             The rule's record; do not modify its matrices.
+
+        Raises:
+            ValueError: If the record is not finite (`KFAC`: a damped factor is
+                singular, which `damping=0` allows). A step skips such a layer's
+                update instead (the step guard); this method is for reading.
         """
-        return self._records(self._layers.find(layer), (0, 1))
+        found = self._layers.find(layer)
+        record = self._records(found, (0, 1))
+        if not bool(finite(record.tensors(), found.weight.device)):
+            raise ValueError(
+                f"Layer {found.name!r}: its preconditioner is not finite (a damped "
+                "factor is singular, or its inverse overflowed; possible with "
+                "damping=0): raise the group's damping."
+            )
+        return record
 
     @property
     def distribution(self) -> distributed.DistributionStrategy:
@@ -342,6 +356,7 @@ class KroneckerOptimizer(
             self._inputs_finite(layers, [p for _, p in fallback]),
             agree=self._distribution.agree,
             hint=self._rule.discard_hint,
+            skip_hint=self._rule.skip_hint,
             factor_names=self._rule.side_names,
         )
         stepper = LayerStepper(

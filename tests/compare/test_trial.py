@@ -62,12 +62,12 @@ def test_an_arithmetic_error_of_the_optimizer_is_a_divergence(monkeypatch):
     spec = parse_optimizer("kfac")
 
     def fail(self, closure=None):
-        raise ValueError("KFAC's damped factor is singular (damping=0.0)")
+        raise ValueError("an eigendecomposition failed to converge")
 
     monkeypatch.setattr(KFAC, "step", fail)
     result = run_trial(short("teacher-mlp"), spec, {"lr": 0.1, "damping": 0.1}, 0)
     assert result.diverged and math.isnan(result.final_metric)
-    assert result.error == "ValueError: KFAC's damped factor is singular (damping=0.0)"
+    assert result.error == "ValueError: an eigendecomposition failed to converge"
     assert len(result.curve) == 1  # the evaluation before training
 
 

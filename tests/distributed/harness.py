@@ -356,9 +356,11 @@ def train_with_event(case: Case, event: str, world: int, rank: int) -> dict[str,
 
     Events: `"inf"` (step 2: an infinite input, in rank 0's share), `"huge"`
     (step 3: inputs and loss times 1e100, `lr` 1e-230), `"wide"` (step 3: inputs
-    times 1e150), `"lrblow"` (step 2: `lr` 1e308); any other name changes
-    nothing (`"trust"`: the case's `lr_cov` is the event). Without a process
-    group: one process on the whole batch, as the reference.
+    times 1e150), `"lrblow"` (step 2: `lr` 1e308), `"singular"` (the first
+    input channel always zero, and from step 2 `damping` 0: KFAC's damped
+    factors of the convolution are singular); any other name changes nothing
+    (`"trust"`: the case's `lr_cov` is the event). Without a process group: one
+    process on the whole batch, as the reference.
 
     Returns:
         The parameters, the warnings' messages, the skipped steps, the
@@ -384,6 +386,11 @@ def train_with_event(case: Case, event: str, world: int, rank: int) -> dict[str,
             X = X * 1e150
         elif step == 2 and event == "lrblow":
             lr = 1e308
+        elif event == "singular":
+            X = X.clone()
+            X[:, 0] = 0.0
+            if step == 2:
+                optimizer.param_groups[0]["damping"] = 0.0
         optimizer.param_groups[0]["lr"] = lr
         share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         optimizer.zero_grad()

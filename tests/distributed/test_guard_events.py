@@ -5,16 +5,18 @@ event once, on the test models with and without fallback parameters and on
 several structures: an infinite input (the step is skipped), `lr_cov = 50`
 (the trust region limits the factor steps), inputs and a loss scaled by 1e100
 (factor updates overflow; the statistics formed from them overflow at the next
-step) and `lr = 1e308` (the parameter steps overflow). The ranks must count,
-report and take what one process on the whole batch does: the same skipped
-steps, discarded updates and warnings, and parameters within 1e-10. (A sweep
-of 816 such configurations found the owned form stepping where one process
-skipped; this is its sample in CI.)
+step), `lr = 1e308` (the parameter steps overflow) and, for KFAC, `damping =
+0` with an input channel that is always zero (singular damped factors). The
+ranks must count, report and take what one process on the whole batch does: the
+same skipped steps, discarded updates and warnings, and parameters within
+1e-10. (A sweep of 816 such configurations found the owned form stepping where
+one process skipped; this is its sample in CI.)
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,10 @@ def _cases() -> dict[str, tuple[Case, str]]:
     for mode in MODES:  # KFAC (no trust region; huge factors make it singular)
         kfac = Case({**KFAC_OPTIONS, "T": 1}, "ddp", mode, kfac=True, model="norm")
         cases[f"{mode}-inf-kfac"] = (kfac, "inf")
+        # diagonal factors above 8 dimensions: without damping, dense ones of
+        # these few examples would be nearly singular, their steps huge but finite
+        diagonal = replace(kfac, options={**kfac.options, "max_dense_dim": 8})
+        cases[f"{mode}-singular-kfac"] = (diagonal, "singular")
     return cases
 
 
@@ -84,6 +90,10 @@ def test_ranks_take_the_guarded_steps_of_one_process(
     single = train_with_event(case, event, 1, 0)
     if event != "trust":  # (the trust region limits steps without a warning)
         assert single["messages"]  # the event made the guard act
+    if event == "singular":  # the convolution's layer skips, naming the cause
+        assert any(
+            "'0'" in m and "damped factor singular" in m for m in single["messages"]
+        )
     for result in ranks:
         assert result[name]["skipped"] == single["skipped"]
         assert result[name]["discarded"] == single["discarded"]

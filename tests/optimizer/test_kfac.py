@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -205,20 +206,80 @@ def test_singd_options_in_a_group_raise(cls, options, pattern) -> None:
         nn.functional.cross_entropy(model(batch()[0]), batch()[1]).backward()
 
 
-@pytest.mark.parametrize("side", ["dense", "diagonal"])
-def test_a_singular_damped_factor_raises_and_names_damping(side: str) -> None:
-    """With `damping=0` a factor of fewer examples than dimensions is singular:
-    rank-one inputs of a linear layer (dense), an embedding whose vocabulary the
-    batch does not cover (its one-hot side, diagonal)."""
+def _singular_first_layer(side: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A model whose first layer's damped factor is singular with `damping=0`.
+
+    Rank-one inputs of a linear layer (its dense input side), or an embedding
+    whose vocabulary the batch does not cover (its one-hot side, diagonal); then
+    a linear layer with its own damping.
+    """
     torch.manual_seed(0)
     if side == "dense":
-        model = nn.Sequential(nn.Linear(6, 3)).double()
+        first = nn.Linear(6, 4)
         X = torch.zeros(4, 6, dtype=torch.float64)
         X[:, 0] = 1.0
+        model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 3)).double()
     else:
-        model = nn.Sequential(nn.Embedding(8, 3), nn.Flatten()).double()
+        first = nn.Embedding(8, 4)
         X = torch.tensor([[0], [1], [2], [1]])
-    optimizer = KFAC(model, lr=0.1, damping=0.0, T=1)
-    nn.functional.cross_entropy(model(X), torch.tensor([0, 1, 2, 0])).backward()
-    with pytest.raises(ValueError, match=r"singular \(damping=0\.0\); increase dam"):
+        model = nn.Sequential(first, nn.Flatten(), nn.Linear(4, 3)).double()
+    return model, X, torch.tensor([0, 1, 2, 0])
+
+
+def _kfac_by_layer(model: nn.Module, first_damping: float) -> KFAC:
+    head = list(model[2].parameters())
+    groups = [
+        {"params": list(model[0].parameters()), "damping": first_damping},
+        {"params": head, "damping": 1.0},
+    ]
+    return KFAC(model, groups, lr=0.1, momentum=0.5, T=1)
+
+
+@pytest.mark.parametrize("side", ["dense", "diagonal"])
+def test_a_singular_damped_factor_skips_its_layer_and_names_damping(side: str) -> None:
+    """With `damping=0` the damped factor is singular, and its inverse NaN.
+
+    The step skips that layer's update with a warning naming damping (the
+    guard's third stage), and every other layer takes the step it takes
+    without that layer; nothing raises in the middle of the step.
+    `preconditioner` refuses the NaN record. Once later statistics make the
+    averaged factor regular, the layer steps again.
+    """
+    model, X, y = _singular_first_layer(side)
+    reference = copy.deepcopy(model)
+    optimizer = _kfac_by_layer(model, 0.0)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    nn.functional.cross_entropy(model(X), y).backward()
+    with pytest.warns(UserWarning, match=r"layer '0' at step 1.*raise damping"):
         optimizer.step()
+    for param, old in zip(model[0].parameters(), before, strict=True):
+        assert torch.equal(param.detach(), old)
+        assert optimizer.state[param]["skipped_steps"] == 1
+        buffer = optimizer.state[param].get("momentum_buffer")
+        assert buffer is None or not buffer.any()  # as before the step
+    assert optimizer.state[model[2].weight]["skipped_steps"] == 0
+    # the head's step is the one it takes in an optimizer without the first layer
+    alone = KFAC(reference[2], lr=0.1, momentum=0.5, T=1, damping=1.0)
+    nn.functional.cross_entropy(reference(X), y).backward()
+    alone.step()
+    for mine, expected in zip(
+        model[2].parameters(), reference[2].parameters(), strict=True
+    ):
+        torch.testing.assert_close(mine, expected, rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match=r"Layer '0'.*not finite.*raise the group's"):
+        optimizer.preconditioner(model[0])
+
+    regular = torch.randn(16, 6, dtype=torch.float64) if side == "dense" else None
+    covering = torch.arange(16).remainder(8)[:, None]  # every token of the vocabulary
+    optimizer.zero_grad()
+    X = regular if side == "dense" else covering
+    nn.functional.cross_entropy(model(X), torch.arange(16) % 3).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert optimizer.skipped_steps == 1  # the first step's, only
+    assert all(
+        not torch.equal(p.detach(), old)
+        for p, old in zip(model[0].parameters(), before, strict=True)
+    )
+    assert optimizer.preconditioner(model[0]).tensors()[0].isfinite().all()

@@ -6,9 +6,10 @@ the schedule), never over evaluation: the validation metric is computed every
 Runs train on the CPU (the budgets are sized for two cores).
 
 A run **diverges** when its training loss or a parameter is not finite at an
-evaluation, or when the optimizer raises an arithmetic error (a singular matrix,
-say); it stops there, and its final metric is NaN. Steps that `SINGD` skips
-because of non-finite statistics are counted.
+evaluation, or when the optimizer raises an arithmetic error (an
+eigendecomposition that fails, say); it stops there, and its final metric is
+NaN. Steps in which the step guard of `SINGD`, `KFAC` or `EKFAC` skips an update
+are counted.
 
 After training, the memory of a training step is measured: the largest peak of
 `MEMORY_STEPS` further steps under the memory profiler

@@ -73,6 +73,14 @@ class Preconditioner:
         """
         return precondition(grad, self.K, self.C, *self._sides, overwrite=overwrite)
 
+    def tensors(self) -> list[Tensor]:
+        """Return the tensors of the sides as applied (`K` and `C`).
+
+        Returns:
+            Their tensors, without the cached products (which derive from them).
+        """
+        return [*self.K.tensors(), *self.C.tensors()]
+
     def apply_side(self, side: int, mat: Tensor, *, overwrite: bool = False) -> Tensor:
         r"""Apply one side: \(M P_K\) (side 0) or \(P_C M\) (side 1).
 
@@ -145,6 +153,8 @@ class FactorRule(ABC):
             (`FactorStatistics.examples`); `project` must then leave `a` intact.
         discard_hint: The likely cause of a factor update that is not finite,
             and its remedy, for the optimizer's warning (`guard`).
+        skip_hint: The likely cause of a layer's parameter update that is not
+            finite (the guard skips it), and its remedy, for the same warnings.
         preconditioner_options: The group options that `preconditioner` reads
             besides the factors (KFAC's `damping`): a cached record built with
             other values is rebuilt, so that an edited option takes effect at
@@ -160,6 +170,10 @@ class FactorRule(ABC):
         "this layer's statistics are too large for the factors' dtype: keep the "
         "factors in float32 (preconditioner_dtype), normalise the layer's inputs "
         "or scale the loss down"
+    )
+    skip_hint = (
+        "lr too large for the layer's preconditioned gradient, or factors too "
+        "large (damping too small): lower lr or raise damping"
     )
     checks_updates: bool = False
     factor_sides: tuple[tuple[str, int], ...] = ()

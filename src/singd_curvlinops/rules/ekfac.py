@@ -165,6 +165,10 @@ class EigenbasisPreconditioner(Preconditioner):
 
     inverse_eigenvalues: Tensor
 
+    def tensors(self) -> list[Tensor]:
+        """Return the tensors of the bases and the inverse eigenvalues."""
+        return [*super().tensors(), self.inverse_eigenvalues]
+
     def apply(self, grad: Tensor, *, overwrite: bool = False) -> Tensor:
         r"""Return \(Q_C [(Q_C^\top \Gamma Q_K) \odot D] Q_K^\top\).
 

@@ -36,7 +36,6 @@ from singd_curvlinops.structures import (
     StructuredMatrix,
     get_structure,
 )
-from singd_curvlinops.structures._linalg import solve_dense
 
 # checkpoints written before the optimizer shell (issue 12) name KFAC's then only
 # structures, which "auto" gives within the budget
@@ -57,6 +56,12 @@ class KFACRule(FactorRule):
 
     factor_sides = (("A", 0), ("G", 1))
     reads_preconditioner = False  # statistics a^T a, g^T g; EMA of the factors
+    skip_hint = (
+        "lr too large for the layer's preconditioned gradient, or a damped factor "
+        "singular or nearly so (damping too small for it; with damping=0, a "
+        "factor of fewer examples than dimensions, or of an input that is always "
+        "zero, is singular): lower lr or raise damping"
+    )
     preconditioner_options = ("damping",)  # the inverses are of F + damping I
 
     def check_group(self, group: dict[str, Any]) -> None:
@@ -161,7 +166,12 @@ class KFACRule(FactorRule):
         *,
         sides: tuple[int, ...] = (0, 1),
     ) -> Preconditioner:
-        r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I)."""
+        r"""Return \((A + \lambda I)^{-1}\), \((G + \lambda I)^{-1}\) (first: I).
+
+        The inverse of a singular damped factor is not finite (`_damped_inverse`):
+        the step guard then skips the layer's parameter update, and
+        `KroneckerOptimizer.preconditioner` raises.
+        """
         names = group["structures"]
         inverses = []
         for prefix, side in self.factor_sides:
@@ -179,46 +189,40 @@ class KFACRule(FactorRule):
 def _damped_inverse(factor: StructuredMatrix, damping: float) -> StructuredMatrix:
     r"""Return \((F + \lambda I)^{-1}\), dense by a linear solve, diagonal entrywise.
 
+    A singular \(F + \lambda I\) (possible with \(\lambda = 0\)) has no inverse:
+    the result then holds infinities or NaN (a zero diagonal entry's reciprocal
+    is infinite; a dense factor's is NaN). Deciding this on the device keeps the
+    step free of host reads: the step guard skips the parameter update that the
+    result would reach, and `KroneckerOptimizer.preconditioner` refuses it.
+
     Args:
         factor: Symmetric positive semi-definite \(F\), dense or diagonal.
         damping: \(\lambda\).
 
     Returns:
-        The inverse, in the structure and dtype of `factor`.
-
-    Raises:
-        ValueError: If \(F + \lambda I\) is singular (increase `damping`).
+        The inverse (or a non-finite matrix), in the structure and dtype of
+        `factor`.
     """
     if isinstance(factor, DiagonalMatrix):
-        damped = factor.diag + damping
-        if not bool((damped > 0).all()):
-            raise ValueError(
-                f"KFAC's damped factor is singular (damping={damping}); increase "
-                "damping."
-            )
-        return DiagonalMatrix(damped.reciprocal())
+        return DiagonalMatrix((factor.diag + damping).reciprocal())
     return DenseMatrix(_dense_inverse(factor.mat, damping))
 
 
 def _dense_inverse(factor: Tensor, damping: float) -> Tensor:
-    r"""Return \((F + \lambda I)^{-1}\) by a linear solve (in at least float32).
+    r"""Return \((F + \lambda I)^{-1}\) by an LU solve in at least float32, or NaN.
 
     Args:
         factor: Symmetric positive semi-definite matrix \(F\).
         damping: \(\lambda\).
 
     Returns:
-        The inverse, in `factor`'s dtype.
-
-    Raises:
-        ValueError: If \(F + \lambda I\) is singular (increase `damping`).
+        The inverse in `factor`'s dtype; NaN everywhere if the LU factorization
+        met an exactly zero pivot (`info > 0`: \(F + \lambda I\) is singular).
     """
-    damped = factor.clone()
+    # PyTorch has no half-precision LU kernels (as `structures._linalg.solve_dense`)
+    dtype = torch.promote_types(factor.dtype, torch.float32)
+    damped = factor.to(dtype, copy=True)
     damped.diagonal().add_(damping)
-    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
-    try:
-        return solve_dense(damped, eye)
-    except RuntimeError as error:
-        raise ValueError(
-            f"KFAC's damped factor is singular (damping={damping}); increase damping."
-        ) from error
+    eye = torch.eye(factor.shape[0], dtype=dtype, device=factor.device)
+    inverse, info = torch.linalg.solve_ex(damped, eye)
+    return inverse.masked_fill_(info != 0, float("nan")).to(factor.dtype)

@@ -72,7 +72,7 @@ for wrap_name in ("ddp", "fsdp"):
     CASES.append(
         (
             f"{wrap_name} kfac shard",
-            Case(options=dict(KFAC_OPTIONS), wrap=wrap_name, kfac=True),
+            Case(options=dict(KFAC_OPTIONS), wrap=wrap_name, optimizer="kfac"),
         )
     )
     CASES.append(
@@ -81,7 +81,7 @@ for wrap_name in ("ddp", "fsdp"):
             Case(
                 options=dict(KFAC_OPTIONS),
                 wrap=wrap_name,
-                kfac=True,
+                optimizer="kfac",
                 distribute="replicate",
             ),
         )

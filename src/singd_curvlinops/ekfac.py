@@ -45,7 +45,8 @@ class EKFAC(KFAC):
     (about the memory of the layers' inputs and output gradients), because the
     eigenbasis that the per-example gradients are projected onto is known only
     then. Data parallelism all-reduces the projected sums in a second collective
-    per layer (`singd_curvlinops.distributed`). `set_curvature` is not supported.
+    per layer (`singd_curvlinops.distributed`; factor work replicated, also under
+    FSDP2). `set_curvature` is not supported.
 
     All options after `params` are keyword-only.
 

@@ -335,16 +335,10 @@ class LayerStepper:
             layers: The layers of this step.
 
         Raises:
-            ValueError: For grafting or a per-example rule (EKFAC) on an FSDP2
-                shard (both need the whole layer, which no rank holds).
+            ValueError: For grafting on an FSDP2 shard (it needs the whole
+                layer, which no rank holds).
         """
         for layer in layers:
-            if self.rule.per_example and is_sharded(layer):
-                raise ValueError(
-                    f"Layer {layer.name!r}: {type(self.rule).__name__} cannot "
-                    "precondition FSDP2 shards (its eigenvalue scaling couples "
-                    "both sides of the layer)."
-                )
             if self.group(layer)["graft"] is not None and is_sharded(layer):
                 raise ValueError(
                     f"Layer {layer.name!r}: graft={self.group(layer)['graft']!r} "

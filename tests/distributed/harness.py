@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import EKFAC, KFAC, SINGD
 from singd_curvlinops.distributed import Shard
 
 BATCH = 12  # global batch per step: divisible by 2 and 3 ranks and 2 micro-batches
@@ -60,6 +60,7 @@ SPARSE = {
 DENSE = {**SPARSE, "T": 1, "structures": ("dense", "dense")}
 IKFAC = {**SPARSE, "kfac_like": True, "structures": ("dense", "diagonal")}
 KFAC_OPTIONS = {"lr": 0.05, "momentum": 0.5, "damping": 0.1, "T": 2}
+EKFAC_OPTIONS = {"lr": 0.05, "momentum": 0.5, "damping": 0.01, "T": 2}
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Case:
             `"fsdp_accumulate"` (FSDP2, gradient sync off on the first).
         distribute: `"replicate"`, `"shard"`, `"owned"` (`Shard(factors="owned")`)
             or `"factors"` (`Shard(share="factors")`).
-        kfac: The `KFAC` optimizer instead of `SINGD`.
+        optimizer: `"singd"`, `"kfac"` or `"ekfac"`.
         model: `"three"` (Conv2d 2→3, Linear 48→24, Linear 24→60), `"two"`
             (Conv2d 2→3, Linear 48→2), `"norm"` (`"three"` with a LayerNorm
             before the first Linear: fallback parameters), `"tied"` (an
@@ -94,7 +95,7 @@ class Case:
     options: dict[str, Any] = field(default_factory=lambda: dict(SPARSE))
     wrap: str = "ddp"
     distribute: str = "shard"
-    kfac: bool = False
+    optimizer: str = "singd"
     model: str = "three"
     dtype: torch.dtype = torch.float64
     device: str = "cpu"
@@ -265,7 +266,7 @@ def strategy(name: str) -> Any:
 
 
 def make_optimizer(case: Case, net: nn.Module) -> Any:
-    cls = KFAC if case.kfac else SINGD
+    cls = {"singd": SINGD, "kfac": KFAC, "ekfac": EKFAC}[case.optimizer]
     return cls(net, distribute=strategy(case.distribute), **case.options)
 
 

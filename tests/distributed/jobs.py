@@ -34,6 +34,7 @@ from singd_curvlinops.rules import KFACRule
 from tests.distributed.harness import (
     BATCH,
     DENSE,
+    EKFAC_OPTIONS,
     IKFAC,
     KFAC_OPTIONS,
     SPARSE,
@@ -52,6 +53,7 @@ from tests.distributed.harness import (
     wrap,
 )
 
+FSDP_EKFAC = Case(EKFAC_OPTIONS, "fsdp", "replicate", optimizer="ekfac")
 HIERARCHICAL = {**SPARSE, "T": 3, "structures": ("hierarchical5_5", "triutoeplitz")}
 CASES_W2 = {
     "dense": Case(DENSE),
@@ -59,32 +61,34 @@ CASES_W2 = {
     "sparse": Case(SPARSE),
     "hierarchical_manual": Case(HIERARCHICAL, "manual"),
     "ikfac": Case(IKFAC),
-    "kfac": Case(KFAC_OPTIONS, kfac=True),
+    "kfac": Case(KFAC_OPTIONS, optimizer="kfac"),
     "accumulate": Case(SPARSE, "accumulate"),
     "accumulate_dense": Case(DENSE, "accumulate"),  # statistics rows stack
     "factors_dense": Case(DENSE, distribute="factors"),
     "factors_sparse": Case(SPARSE, distribute="factors"),
     "owned_dense": Case(DENSE, distribute="owned"),
     "owned_sparse": Case(SPARSE, distribute="owned"),
-    "owned_kfac": Case(KFAC_OPTIONS, distribute="owned", kfac=True),
+    "owned_kfac": Case(KFAC_OPTIONS, distribute="owned", optimizer="kfac"),
     "owned_accumulate": Case(SPARSE, "accumulate", "owned"),
     "fsdp_replicate": Case(DENSE, "fsdp", "replicate"),
     "fsdp_shard": Case(SPARSE, "fsdp"),
     "fsdp_ikfac": Case(IKFAC, "fsdp"),
-    "fsdp_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
+    "fsdp_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac"),
     "fsdp_accumulate": Case(SPARSE, "fsdp_accumulate"),
     # layers inside a larger FSDP2 unit, and attention sharded as a unit: before
     # 2026-12-04 their statistics were silently dropped, or wrong
     "fsdp_block": Case(DENSE, "fsdp", model="block"),
-    "fsdp_block_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="block"),
+    "fsdp_block_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="block"),
     "fsdp_attention": Case(DENSE, "fsdp", model="attention"),
-    "fsdp_attention_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="attention"),
+    "fsdp_attention_kfac": Case(
+        KFAC_OPTIONS, "fsdp", optimizer="kfac", model="attention"
+    ),
     "fsdp_attention_replicate": Case(SPARSE, "fsdp", "replicate", model="attention"),
     # the AdamW fallback of whole-model training (issue 13) next to the layers
     "fallback_replicate": Case(DENSE, distribute="replicate", model="norm"),
     "fallback_shard": Case(DENSE, model="norm"),
     "fallback_owned": Case(SPARSE, distribute="owned", model="norm"),
-    "fallback_kfac": Case(KFAC_OPTIONS, kfac=True, model="norm"),
+    "fallback_kfac": Case(KFAC_OPTIONS, optimizer="kfac", model="norm"),
     "fallback_accumulate": Case(SPARSE, "accumulate", model="norm"),
     # an embedding tied to the output layer (GPT-2's layout): the twin's work and
     # factors are its layer's (before 2026-12-02 the step failed inside it)
@@ -93,20 +97,22 @@ CASES_W2 = {
     "tied_sparse": Case(SPARSE, model="tied"),
     "tied_factors": Case(SPARSE, distribute="factors", model="tied"),
     "tied_ikfac": Case(IKFAC, model="tied"),
-    "tied_kfac": Case(KFAC_OPTIONS, kfac=True, model="tied"),
+    "tied_kfac": Case(KFAC_OPTIONS, optimizer="kfac", model="tied"),
     "tied_accumulate": Case(DENSE, "accumulate", model="tied"),
     # under owned factors the owner projects each orientation's raw statistics
     # with its factors, then combines them (before 2026-12-02: a ValueError)
     "tied_owned": Case(DENSE, distribute="owned", model="tied"),
     "tied_owned_sparse": Case(SPARSE, distribute="owned", model="tied"),
-    "tied_owned_kfac": Case(KFAC_OPTIONS, distribute="owned", kfac=True, model="tied"),
+    "tied_owned_kfac": Case(
+        KFAC_OPTIONS, distribute="owned", optimizer="kfac", model="tied"
+    ),
     "tied_owned_accumulate": Case(DENSE, "accumulate", "owned", model="tied"),
     # an embedding's one-hot side under owned factors: its diagonal travels
     # (before 2026-12-02 the hooks failed on its rows), as does a diagonal side's
     "embed_owned": Case(DENSE, distribute="owned", model="embed"),
     "embed_owned_ikfac": Case(IKFAC, distribute="owned", model="embed"),
     "embed_owned_kfac": Case(
-        KFAC_OPTIONS, distribute="owned", kfac=True, model="embed"
+        KFAC_OPTIONS, distribute="owned", optimizer="kfac", model="embed"
     ),
     "embed_owned_accumulate": Case(DENSE, "accumulate", "owned", model="embed"),
     # FSDP2 shards a table (and a weight tied to it) and Conv1D's weights by
@@ -120,23 +126,29 @@ CASES_W2 = {
             "_sparse": Case(SPARSE, "fsdp"),
             "_replicate": Case(SPARSE, "fsdp", "replicate"),
             "_ikfac": Case(IKFAC, "fsdp"),
-            "_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True),
+            "_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac"),
+            "_ekfac": FSDP_EKFAC,
             "_accumulate": Case(SPARSE, "fsdp_accumulate"),
         }.items()
     },
+    # EKFAC under FSDP2 (before 2026-12-04: a ValueError): rows rotated by
+    # Q_K, gathered, finished by every rank (EKFAC replicates its factor work)
+    "fsdp_ekfac": FSDP_EKFAC,
+    "fsdp_ekfac_accumulate": replace(FSDP_EKFAC, wrap="fsdp_accumulate"),
+    "fsdp_attention_ekfac": replace(FSDP_EKFAC, model="attention"),
     "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
-    "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="tied"),
+    "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="tied"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
     "ikfac": Case(IKFAC),
     "two_dense": Case(DENSE, model="two"),
-    "two_kfac": Case(KFAC_OPTIONS, kfac=True, model="two"),
+    "two_kfac": Case(KFAC_OPTIONS, optimizer="kfac", model="two"),
     "two_owned": Case(SPARSE, distribute="owned", model="two"),
     "owned_dense": Case(DENSE, distribute="owned"),  # a helper on a third rank
     "factors_ikfac": Case(IKFAC, distribute="factors"),
     "fsdp_shard": Case(SPARSE, "fsdp"),
-    "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", kfac=True, model="two"),
+    "fsdp_two_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="two"),
     "fallback_ikfac": Case(IKFAC, model="norm"),
     "tied_dense": Case(DENSE, model="tied"),  # the tied layer split: a relay
     "embed_owned": Case(DENSE, distribute="owned", model="embed"),
@@ -144,6 +156,9 @@ CASES_W3 = {
     "fsdp_embed": Case(SPARSE, "fsdp", model="embed"),  # 11, 11, 9 columns
     "fsdp_tied": Case(IKFAC, "fsdp", model="tied"),
     "fsdp_conv1d": Case(DENSE, "fsdp", model="conv1d"),  # 43, 43, 42 columns
+    "fsdp_ekfac": replace(FSDP_EKFAC, options={**EKFAC_OPTIONS, "T": 1}),
+    "fsdp_embed_ekfac": replace(FSDP_EKFAC, model="embed"),
+    "fsdp_conv1d_ekfac": replace(FSDP_EKFAC, model="conv1d"),
 }
 RESUME_AT = 3
 ROUTED = ("replicate", "shard", "owned", "factors")
@@ -191,7 +206,7 @@ class HandedOverKFAC(KFAC):
 def _other_rule(results: dict[str, Any]) -> None:
     """Owned factors with a rule other than SINGD's and KFAC's; and tied weights."""
     for model in ("three", "tied"):
-        case = Case(KFAC_OPTIONS, distribute="owned", kfac=True, model=model)
+        case = Case(KFAC_OPTIONS, distribute="owned", optimizer="kfac", model=model)
         net = wrap(case, build_model(model))
         optimizer = HandedOverKFAC(
             net, distribute=Shard(factors="owned"), **case.options
@@ -538,6 +553,10 @@ def misuse(results: dict[str, Any], out: Path) -> None:
         results[f"misuse/hsdp/{distribute}"] = _error(partial(_hsdp, distribute))
         results[f"misuse/fsdp_own_layout/{distribute}"] = _error(
             partial(_fsdp_own_layout, distribute)
+        )
+        grafted = Case({**SPARSE, "graft": "adamw"}, "fsdp", distribute)
+        results[f"misuse/fsdp_graft/{distribute}"] = _error(
+            lambda case=grafted: train(case, steps=1)
         )
     dist.barrier()
     _never_steps(results, out, rank)  # last: the process group is broken afterwards

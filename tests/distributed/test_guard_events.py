@@ -57,7 +57,9 @@ def _cases() -> dict[str, tuple[Case, str]]:
         model = "norm" if event == "huge" else MODELS[index % 3]
         cases[f"{mode}-{event}"] = (Case(options, "ddp", mode, model=model), event)
     for mode in MODES:  # KFAC (no trust region; huge factors make it singular)
-        kfac = Case({**KFAC_OPTIONS, "T": 1}, "ddp", mode, kfac=True, model="norm")
+        kfac = Case(
+            {**KFAC_OPTIONS, "T": 1}, "ddp", mode, optimizer="kfac", model="norm"
+        )
         cases[f"{mode}-inf-kfac"] = (kfac, "inf")
         # diagonal factors above 8 dimensions: without damping, dense ones of
         # these few examples would be nearly singular, their steps huge but finite

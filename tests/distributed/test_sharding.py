@@ -93,7 +93,7 @@ def test_owners_hand_dense_statistics_to_other_rules(w2: list[dict]) -> None:
     """A rule other than SINGD's and KFAC's gets dense `U` under owned factors (as
     one process), and a weight tied to a transposed use raises a clear error on
     every rank (its owners could not combine the two orientations)."""
-    expected = reference(Case(KFAC_OPTIONS, kfac=True))
+    expected = reference(Case(KFAC_OPTIONS, optimizer="kfac"))
     for result in w2:
         assert result["other_rule/three"] == "no error"
         _assert_close(result["params/other_rule/three"], expected)
@@ -508,6 +508,15 @@ def test_fsdp_shards_that_are_not_rows_or_columns_raise(
         own = result[f"misuse/fsdp_own_layout/{distribute}"]
         assert own.startswith("ValueError: Layer '1' (Dense"), own
         assert "neither rows nor columns of Γ" in own
+
+
+@pytest.mark.parametrize("distribute", ["replicate", "shard"])
+def test_grafting_under_fsdp_raises(misuse: list[dict], distribute: str) -> None:
+    """Grafting needs the norm of each layer's whole direction (not built)."""
+    for result in misuse:
+        message = result[f"misuse/fsdp_graft/{distribute}"]
+        assert message.startswith("ValueError: Layer '0': graft='adamw' needs the")
+        assert "graft=None for sharded layers" in message
 
 
 def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:

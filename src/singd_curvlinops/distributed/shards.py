@@ -59,7 +59,7 @@ def half_product(layer: Layer, record: Any, grad: Tensor) -> Tensor:
     Returns:
         The share, unpadded.
     """
-    return record.apply_side(int(splits_columns(layer)), grad, overwrite=True)
+    return record.shard_half(int(splits_columns(layer)), grad)
 
 
 def pad_share(share: Tensor, layer: Layer, padded: Tensor) -> Tensor:
@@ -100,16 +100,16 @@ def finish(
     first = rank * chunk_size(layer, len(shares))
     if not splits_columns(layer):
         Y = torch.cat(shares)[:d_C]
-        return record.apply_side(1, Y, overwrite=True)[first : first + mine]
+        return record.shard_finish(0, Y)[first : first + mine]
     if not split_bias(layer):
         Z = torch.cat(shares, dim=1)[:, :d_K]
-        return record.apply_side(0, Z, overwrite=True)[:, first : first + mine]
+        return record.shard_finish(1, Z)[:, first : first + mine]
     # the weight's columns, then the sum of the ranks' bias columns (`fsdp`)
     d_in = d_K - 1
     weight_part = torch.cat([share[:, :-1] for share in shares], dim=1)
     bias = torch.stack([share[:, -1] for share in shares], dim=1).sum(1)
     Z = torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
-    full = record.apply_side(0, Z, overwrite=True)
+    full = record.shard_finish(1, Z)
     return torch.cat([full[:, first : first + mine], full[:, d_in:]], dim=1)
 
 
@@ -128,9 +128,6 @@ def scaled_columns(
     Returns:
         This rank's columns of \(\Delta\), in the weight's dtype.
     """
-    d_K, first = layer.dims[0], rank * chunk_size(layer, world_size)
-    ones = torch.ones(1, d_K, dtype=grad.dtype, device=grad.device)
-    diagonal = record.apply_side(0, ones, overwrite=True)[0]  # 1ᵀ P_K
-    direction = record.apply_side(1, grad, overwrite=True)
-    direction = direction * diagonal[first : first + grad.shape[1]]
+    first = rank * chunk_size(layer, world_size)
+    direction = record.shard_columns(grad, slice(first, first + grad.shape[1]))
     return direction.to(local(layer.weight).dtype)

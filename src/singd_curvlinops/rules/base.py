@@ -103,6 +103,56 @@ class Preconditioner:
             mat, self.C, self._sides[1], overwrite=overwrite
         )
 
+    # ------------------------------------------------ a gradient split by ranks
+    def shard_half(self, side: int, block: Tensor) -> Tensor:
+        r"""Return what a block of \(\Gamma\)'s rows or columns gives on its own.
+
+        For FSDP2 shards (`distributed.shards`): rows \(\Gamma_r\) (side 0) give
+        \(\Gamma_r P_K\), columns \(\Gamma_c\) (side 1) give \(P_C \Gamma_c\).
+        Stacked in order, the blocks' halves are the whole half product that
+        `shard_finish` completes. The result is linear in `block`.
+
+        Args:
+            side: 0 for a block of rows, 1 for a block of columns.
+            block: The block (may be overwritten).
+
+        Returns:
+            Its half product.
+        """
+        return self.apply_side(side, block, overwrite=True)
+
+    def shard_finish(self, side: int, half: Tensor) -> Tensor:
+        r"""Return \(\Delta\) from the whole half product of `shard_half`.
+
+        Args:
+            side: The side `shard_half` applied (0: rows, 1: columns).
+            half: \(Y = \Gamma P_K\) (side 0) or \(Z = P_C \Gamma\) (side 1),
+                `[d_C, d_K]` (may be overwritten).
+
+        Returns:
+            \(P_C Y\) or \(Z P_K\).
+        """
+        return self.apply_side(1 - side, half, overwrite=True)
+
+    def shard_columns(self, block: Tensor, columns: slice) -> Tensor:
+        r"""Return \(\Delta\)'s columns from the same columns of \(\Gamma\) alone.
+
+        Needs a diagonal input side: then \(\Delta_c = (P_C \Gamma_c) P_K[c, c]\),
+        and no other column takes part (an embedding's shard,
+        `distributed.fsdp.independent_columns`).
+
+        Args:
+            block: \(\Gamma_c\), `[d_C, c]` (may be overwritten).
+            columns: Where the block's columns lie among \(\Gamma\)'s `d_K`.
+
+        Returns:
+            \(\Delta_c\), in the output side's dtype.
+        """
+        d_K = self.K.dim
+        ones = torch.ones(1, d_K, dtype=block.dtype, device=block.device)
+        diagonal = self.apply_side(0, ones, overwrite=True)[0]  # 1ᵀ P_K
+        return self.apply_side(1, block, overwrite=True) * diagonal[columns]
+
     @property
     def _sides(self) -> tuple[StructuredMatrix | None, StructuredMatrix | None]:
         r"""The matrices applied as one product (None: as \(K (K^\top \cdot)\))."""

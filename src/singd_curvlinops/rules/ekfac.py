@@ -181,12 +181,7 @@ class EigenbasisPreconditioner(Preconditioner):
         Returns:
             A new tensor with the shape and dtype of `grad`.
         """
-        Q_K, Q_C = self.K, self.C
-        rotated_K = Q_K.rmatmat(grad.T.to(Q_K.dtype))  # Q_Kᵀ Γᵀ = (Γ Q_K)ᵀ
-        rotated = Q_C.rmatmat(rotated_K.T.to(Q_C.dtype))  # Q_Cᵀ Γ Q_K
-        rotated = rotated * self.inverse_eigenvalues.to(rotated.dtype)
-        back = (Q_C @ rotated).to(Q_K.dtype)  # Q_C [...]
-        return (Q_K @ back.T).T.to(grad.dtype)  # [...] Q_Kᵀ
+        return self.shard_finish(0, self.shard_half(0, grad)).to(grad.dtype)
 
     def apply_side(self, side: int, mat: Tensor, *, overwrite: bool = False) -> Tensor:
         """Refuse: the eigenvalue scaling couples both sides.
@@ -201,8 +196,66 @@ class EigenbasisPreconditioner(Preconditioner):
         """
         raise ValueError(
             "EKFAC's preconditioner scales each pair of basis vectors on its own: "
-            "its two sides cannot be applied apart (FSDP2, distribute='shard')."
+            "its two sides cannot be applied apart (distribute='shard' with "
+            "sides split between ranks)."
         )
+
+    # ------------------------------------------------ a gradient split by ranks
+    def shard_half(self, side: int, block: Tensor) -> Tensor:
+        r"""Return a block's rotation: \(\Gamma_r Q_K\), or \(Q_C^\top \Gamma_c\).
+
+        Args:
+            side: 0 for a block of rows, 1 for a block of columns.
+            block: The block.
+
+        Returns:
+            The rotated block, in the basis's dtype.
+        """
+        if side == 0:
+            Q_K = self.K
+            return Q_K.rmatmat(block.T.to(Q_K.dtype)).T  # (Q_Kᵀ Γᵀ)ᵀ = Γ Q_K
+        return self.C.rmatmat(block.to(self.C.dtype))
+
+    def shard_finish(self, side: int, half: Tensor) -> Tensor:
+        r"""Return \(Q_C [(Q_C^\top \Gamma Q_K) \odot D] Q_K^\top\) from one rotation.
+
+        Args:
+            side: The side `shard_half` rotated (0: \(\Gamma Q_K\), 1:
+                \(Q_C^\top \Gamma\)).
+            half: The whole rotation, `[d_C, d_K]`.
+
+        Returns:
+            \(\Delta\), in the input basis's dtype.
+        """
+        Q_K, Q_C = self.K, self.C
+        if side == 0:
+            rotated = Q_C.rmatmat(half.to(Q_C.dtype))  # Q_Cᵀ (Γ Q_K)
+        else:
+            rotated = Q_K.rmatmat(half.T.to(Q_K.dtype)).T  # (Q_Cᵀ Γ) Q_K
+        rotated = rotated * self.inverse_eigenvalues.to(rotated.dtype)
+        back = (Q_C @ rotated.to(Q_C.dtype)).to(Q_K.dtype)  # Q_C [...]
+        return (Q_K @ back.T).T  # [...] Q_Kᵀ
+
+    def shard_columns(self, block: Tensor, columns: slice) -> Tensor:
+        r"""Return \(\Delta_c\) from \(\Gamma_c\) alone, for a diagonal basis \(Q_K\).
+
+        Then \(\Delta_c = Q_C [(Q_C^\top \Gamma_c q_c) \odot D_c] q_c\), with
+        \(q_c\) and \(D_c\) the columns' entries of \(Q_K\)'s diagonal and of
+        \(D\) (`Preconditioner.shard_columns`).
+
+        Args:
+            block: \(\Gamma_c\), `[d_C, c]`.
+            columns: Where the block's columns lie among \(\Gamma\)'s `d_K`.
+
+        Returns:
+            \(\Delta_c\), in the output basis's dtype.
+        """
+        Q_C = self.C
+        q = self.K.diag[columns]  # (EKFAC: ones, the basis of a diagonal factor)
+        rotated = Q_C.rmatmat(block.to(Q_C.dtype)) * q.to(Q_C.dtype)
+        inverse = self.inverse_eigenvalues[:, columns]
+        rotated = rotated * inverse.to(rotated.dtype)
+        return (Q_C @ rotated.to(Q_C.dtype)) * q.to(Q_C.dtype)
 
 
 def _eigenbasis(factor: Tensor) -> Tensor:

@@ -169,6 +169,45 @@ def test_one_hot_rows_equal_their_dense_rows(padding_idx: int | None) -> None:
         assert actual[:, padding_idx].abs().max() == 0
 
 
+@pytest.mark.parametrize("chunk_numbers", [per_example.CHUNK_NUMBERS, 1, 60])
+@pytest.mark.parametrize("order", ["one-hot first", "dense first", "merged"])
+def test_one_hot_and_dense_uses_of_one_pass_square_their_sum(
+    monkeypatch: pytest.MonkeyPatch, chunk_numbers: int, order: str
+) -> None:
+    """An embedding tied to an output layer: its one-hot use and the head's
+    transposed (dense) use sum into each example's gradient before squaring,
+    added in either order or merged from the twin's record, in chunks of
+    examples; as if the one-hot rows were dense rows of the same pass."""
+    monkeypatch.setattr(per_example, "CHUNK_NUMBERS", chunk_numbers)
+    generator = torch.Generator().manual_seed(7)
+    vocabulary, d_C = 6, 3
+    Q_C = orthogonal(d_C, generator)
+    mixed, twin, dense_only = ExampleGradients(), ExampleGradients(), ExampleGradients()
+    for pass_id, num in ((0, 4), (1, 3)):
+        tokens = torch.randint(0, vocabulary, (num, 5), generator=generator)
+        tokens[0, :2] = 2  # a token repeated within an example
+        g = torch.randn(num * 5, d_C, generator=generator, dtype=torch.float64)
+        sparse, dense = one_hot_rows(tokens, vocabulary, None)
+        x_head = torch.randn(num * 2, vocabulary, generator=generator).double()
+        a_head = x_head / (num * 2) ** 0.5  # two positions per example
+        g_head = torch.randn(num * 2, d_C, generator=generator, dtype=torch.float64)
+        uses = [(sparse, g), (a_head, g_head)]
+        if order == "dense first":
+            uses.reverse()
+        for index, (a, g_use) in enumerate(uses):
+            merged_later = order == "merged" and index == 1
+            (twin if merged_later else mixed).add(a, g_use, num, pass_id)
+        dense_only.add(dense, g, num, pass_id)
+        dense_only.add(a_head, g_head, num, pass_id)
+    if order == "merged":
+        mixed.merge(twin)
+    dims = (vocabulary, d_C)
+    expected = dense_only.squared_projections(None, Q_C, dims=dims, device=CPU)
+    actual = mixed.squared_projections(None, Q_C, dims=dims, device=CPU)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+    assert (len(mixed.sparse), len(mixed.chunks)) == (2, 2)  # one of each per pass
+
+
 def test_one_hot_rows_need_the_identity_input_basis() -> None:
     generator = torch.Generator().manual_seed(6)
     record = ExampleGradients()

@@ -306,6 +306,8 @@ class StatisticsCollector:
                 # do not carry: they are kept as "expand" rows
                 if plan.kfac_approx != "expand":
                     a, g = rows("expand")
+                if site.transposed:  # the twin's rows, in the layer's orientation
+                    a, g = g, a
                 pending.examples.add(a, g, counts["examples"], counts["pass_id"])
 
     # ------------------------------------------------------------ hand-out

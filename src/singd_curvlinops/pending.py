@@ -168,6 +168,11 @@ def hand_out(
 ) -> FactorStatistics:
     r"""Return a layer's statistics for its factor update from its pending records.
 
+    A tied weight's per-example gradients sum both orientations' uses
+    (`ExampleGradients.merge`) and take \(\nu\) of the larger of the two
+    records' numbers of examples: in ordinary passes every example reaches both
+    uses, and the numbers are equal.
+
     Args:
         records: The layer's record and its twin's (tied weights), each with
             whether its sides are the layer's swapped (consumed: scaled in
@@ -180,7 +185,7 @@ def hand_out(
     Returns:
         The statistics, \(H_C\) scaled to the convention of \(U_C\).
     """
-    terms, examples = [], None
+    terms, examples, counts = [], None, []
     for record, swapped in records:
         unscale = (record.grad_scale / grad_scale) ** 2
         nu = statistics.gradient_scale(loss_average, record.num_examples)
@@ -188,9 +193,15 @@ def hand_out(
         H_K, H_C = record.H_K, record.H_C
         term = (H_C, H_K) if swapped else (H_K, H_C)
         terms.append(term if project is None else project(term))
-        if record.examples is not None:  # (never for a twin: see the plan)
-            examples = record.examples
-            examples.scale = nu * unscale
+        if record.examples is not None:  # (a twin's rows are in the layer's order)
+            if examples is None:
+                examples = record.examples
+                examples.scale = unscale
+            else:
+                examples.merge(record.examples)
+            counts.append(record.num_examples)
+    if examples is not None:  # ν of the examples that reached the weight
+        examples.scale *= statistics.gradient_scale(loss_average, max(counts))
     return FactorStatistics(collected=kronecker_sum(terms), examples=examples)
 
 

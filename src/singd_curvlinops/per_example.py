@@ -33,7 +33,12 @@ One-hot input rows (`SparseRows` of an embedding, whose input factor is diagonal
 so \(Q_K = I\)) are kept as entries: entry \(e\) of example \(n_e\) puts
 \(v_e \bar g_{r_e}\) into column \(c_e\) of \(\nabla_{n_e}\) (\(r_e\) its row,
 \(v_e\) its value), so \(\Sigma\) is a sum over the distinct (example, column)
-pairs, never a \(d_C \times V\) matrix per example.
+pairs, never a \(d_C \times V\) matrix per example. Where a one-hot use and a
+dense use of one pass meet (an embedding tied to an output layer: the head's
+transposed use gives dense rows in the embedding's orientation, \(a\) its output
+gradients and \(\tilde g\) its inputs), each example's gradient is their sum, so
+that per example (in chunks) the dense product is formed and the entries are
+added into it before squaring.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class SparseUse:
         values: Value \(v_e\) of each entry times \(\sqrt{N_b S}\), `[nnz]`.
         g: Output-gradient row of each entry's position, `[nnz, d_C]`.
         num_examples: \(N_b\).
+        pass_id: The backward pass of its uses (None: unknown).
     """
 
     examples: Tensor
@@ -67,6 +73,7 @@ class SparseUse:
     values: Tensor
     g: Tensor
     num_examples: int
+    pass_id: int | None = None
 
     def joined(self, other: SparseUse) -> SparseUse:
         """Return the entries of both uses (one pass over the same examples).
@@ -83,6 +90,7 @@ class SparseUse:
             torch.cat([self.values, other.values]),
             torch.cat([self.g, other.g]),
             self.num_examples,
+            self.pass_id,
         )
 
     def sum_of_squares(
@@ -100,37 +108,94 @@ class SparseUse:
         Returns:
             The sums of squares.
         """
-        g = self.g.to(dtype)
-        g = g if Q_C is None else g @ Q_C
         pairs, slot = torch.unique(
             self.examples * d_K + self.columns, return_inverse=True
         )
-        per_pair = g.new_zeros(pairs.numel(), g.shape[1])
-        per_pair.index_add_(0, slot, g * self.values.to(dtype).unsqueeze(1))
-        total = g.new_zeros(d_K, g.shape[1])
+        contributions = self.rotated(Q_C, dtype)
+        per_pair = contributions.new_zeros(pairs.numel(), contributions.shape[1])
+        per_pair.index_add_(0, slot, contributions)
+        total = contributions.new_zeros(d_K, contributions.shape[1])
         return total.index_add_(0, pairs % d_K, per_pair.square_()).T
+
+    def rotated(self, Q_C: Tensor | None, dtype: torch.dtype) -> Tensor:
+        r"""Return each entry's part of its column of \(Q_C^\top \nabla_{n_e}\).
+
+        That is \(v_e Q_C^\top g_e\).
+
+        Args:
+            Q_C: Orthogonal `[d_C, d_C]` of `dtype`, or None for the identity.
+            dtype: The dtype of the computation.
+
+        Returns:
+            Tensor `[nnz, d_C]` (as rows).
+        """
+        g = self.g.to(dtype)
+        g = g if Q_C is None else g @ Q_C
+        return g * self.values.to(dtype).unsqueeze(1)
+
+
+@dataclass(frozen=True, slots=True)
+class DenseUse:
+    r"""Dense rows of a micro-batch's uses, one block of positions per example.
+
+    Attributes:
+        a: Input rows `[N_b, S, d_K]`.
+        g: Output-gradient rows `[N_b, S, d_C]`.
+        weight: \(N_b S\), which undoes the rows' normalisation (1 for joined
+            uses, whose rows carry it).
+        pass_id: The backward pass of its uses (None: unknown).
+    """
+
+    a: Tensor
+    g: Tensor
+    weight: float
+    pass_id: int | None = None
+
+    @property
+    def num_examples(self) -> int:
+        r"""\(N_b\)."""
+        return self.a.shape[0]
+
+    def joined(self, other: DenseUse) -> DenseUse:
+        """Return the rows of both uses (one pass over the same examples).
+
+        Args:
+            other: Another use of the pass.
+
+        Returns:
+            The rows concatenated along the positions, normalisation undone.
+        """
+        return DenseUse(
+            torch.cat([self.a * self.weight**0.5, other.a * other.weight**0.5], 1),
+            torch.cat([self.g, other.g], dim=1),
+            1.0,
+            self.pass_id,
+        )
 
 
 @dataclass(slots=True)
 class ExampleGradients:
     r"""The rows of one layer's pass, for sums of squared per-example gradients.
 
+    A micro-batch's uses in one backward pass sum into one gradient per example:
+    dense uses are joined along the positions (`add`), one-hot uses into one
+    `SparseUse`, and a dense and a one-hot use of the same pass (an embedding
+    tied to an output layer, whose transposed use gives dense rows) are squared
+    together (`squared_projections`).
+
     Attributes:
-        chunks: Per micro-batch, the input rows `[N_b, S, d_K]`, the output-gradient
-            rows `[N_b, S, d_C]` and the weight \(N_b S\) that undoes the rows'
-            normalisation.
-        sparse: Per micro-batch of one-hot input rows, their entries.
+        chunks: Per micro-batch, its dense uses.
+        sparse: Per micro-batch, its one-hot uses' entries.
         scale: Factor applied to \(\Sigma\) (the collector's \(\nu(N)\) and
             gradient-scale correction).
         reduce: Sums \(\Sigma\) over the processes of a data-parallel run (set by
             `distributed.StatisticsExchange`); None in a single process.
     """
 
-    chunks: list[tuple[Tensor, Tensor, float]] = field(default_factory=list)
+    chunks: list[DenseUse] = field(default_factory=list)
     sparse: list[SparseUse] = field(default_factory=list)
     scale: float = 1.0
     reduce: Callable[[Tensor], Tensor] | None = None
-    pass_id: int | None = None
 
     def add(
         self, a: Tensor, g: Tensor, num_examples: int, pass_id: int | None = None
@@ -156,23 +221,20 @@ class ExampleGradients:
         a = a.unflatten(0, (num_examples, positions))
         g = g.unflatten(0, (num_examples, positions))
         weight = float(num_examples * positions)
-        last = self.chunks[-1] if self.chunks else None
-        joined = (
-            last is not None
-            and pass_id is not None
-            and pass_id == self.pass_id
-            and last[0].shape[0] == num_examples
-        )
-        if joined:
-            a_last, g_last, w_last = last
-            self.chunks[-1] = (
-                torch.cat([a_last * w_last**0.5, a * weight**0.5], dim=1),
-                torch.cat([g_last, g], dim=1),
-                1.0,
-            )
-        else:
-            self.chunks.append((a, g, weight))
-        self.pass_id = pass_id
+        _keep(self.chunks, DenseUse(a, g, weight, pass_id))
+
+    def merge(self, other: ExampleGradients) -> None:
+        """Take the uses of a tied weight's other orientation (`Layer.twin`).
+
+        Args:
+            other: The twin's rows, already in this layer's orientation
+                (`a` the twin's output gradients, `g` its inputs); uses of a
+                pass that this record also saw join its gradients per example.
+        """
+        for dense in other.chunks:
+            _keep(self.chunks, dense)
+        for use in other.sparse:
+            _keep(self.sparse, use)
 
     def _add_sparse(
         self, a: SparseRows, g: Tensor, num_examples: int, pass_id: int | None
@@ -200,18 +262,9 @@ class ExampleGradients:
             values=a.values * float(num_examples * positions) ** 0.5,
             g=g[a.rows],
             num_examples=num_examples,
+            pass_id=pass_id,
         )
-        last = self.sparse[-1] if self.sparse else None
-        if (
-            last is not None
-            and pass_id is not None
-            and pass_id == self.pass_id
-            and last.num_examples == num_examples
-        ):
-            self.sparse[-1] = last.joined(use)
-        else:
-            self.sparse.append(use)
-        self.pass_id = pass_id
+        _keep(self.sparse, use)
 
     def squared_projections(
         self,
@@ -241,27 +294,114 @@ class ExampleGradients:
         """
         dtype = torch.float32
         sparse = (t for use in self.sparse for t in (use.values, use.g))
-        for tensor in (Q_K, Q_C, *(t for c in self.chunks for t in c[:2]), *sparse):
+        for tensor in (
+            Q_K,
+            Q_C,
+            *(t for c in self.chunks for t in (c.a, c.g)),
+            *sparse,
+        ):
             if tensor is not None:
                 dtype = torch.promote_types(dtype, tensor.dtype)
         total = torch.zeros(dims[1], dims[0], dtype=dtype, device=device)
-        for rows_a, rows_g, weight in self.chunks:
-            a, g = rows_a.to(dtype), rows_g.to(dtype)
-            rotated = (
-                a if Q_K is None else a @ Q_K.to(dtype),
-                g if Q_C is None else g @ Q_C.to(dtype),
-            )
-            total.add_(_sum_of_squares(*rotated), alpha=weight)
         if self.sparse and Q_K is not None:
             raise ValueError(
                 "One-hot input rows need a diagonal input factor (basis Q_K = I)."
             )
+        Q_C = None if Q_C is None else Q_C.to(dtype)
+        # a one-hot use of a dense use's pass is squared with it, once
+        partners = {use.pass_id: use for use in self.sparse}
+        paired = set()
+        for dense in self.chunks:
+            a, g = dense.a.to(dtype), dense.g.to(dtype)
+            a = a if Q_K is None else a @ Q_K.to(dtype)
+            g = g if Q_C is None else g @ Q_C
+            partner = partners.get(dense.pass_id)
+            if _same_pass(partner, dense.pass_id, dense.num_examples):
+                paired.add(id(partners.pop(dense.pass_id)))
+                total.add_(_sum_of_mixed_squares(a, g, dense.weight, partner, Q_C))
+            else:
+                total.add_(_sum_of_squares(a, g), alpha=dense.weight)
         for use in self.sparse:
-            Q = None if Q_C is None else Q_C.to(dtype)
-            total.add_(use.sum_of_squares(Q, dims[0], dtype))
+            if id(use) not in paired:
+                total.add_(use.sum_of_squares(Q_C, dims[0], dtype))
         if self.reduce is not None:
             total = self.reduce(total)
         return total.mul_(self.scale)
+
+
+def _keep(uses: list, use: DenseUse | SparseUse) -> None:
+    """Join `use` into the kept use of its pass, or keep it as a use of its own.
+
+    Args:
+        uses: The kept uses of one kind (dense, or one-hot).
+        use: A new use of that kind.
+    """
+    for index, kept in enumerate(uses):
+        if _same_pass(kept, use.pass_id, use.num_examples):
+            uses[index] = kept.joined(use)
+            return
+    uses.append(use)
+
+
+def _same_pass(
+    last: DenseUse | SparseUse | None, pass_id: int | None, num_examples: int
+) -> bool:
+    """Return whether a use belongs to the gradients per example of `last`.
+
+    Args:
+        last: An earlier use (None: none).
+        pass_id: The later use's backward pass (None: unknown, never joined).
+        num_examples: Its number of examples.
+
+    Returns:
+        True for the same known pass over the same examples.
+    """
+    return (
+        last is not None
+        and pass_id is not None
+        and last.pass_id == pass_id
+        and last.num_examples == num_examples
+    )
+
+
+def _sum_of_mixed_squares(
+    a: Tensor, g: Tensor, weight: float, use: SparseUse, Q_C: Tensor | None
+) -> Tensor:
+    r"""Return \(\sum_n (D_n + S_n)^{\odot 2}\) for dense and one-hot uses of a pass.
+
+    \(D_n = \sqrt{w}\, g_n^\top a_n\) (rotated rows, `_sum_of_squares`) and
+    \(S_n\) the one-hot entries' columns \(v_e Q_C^\top g_e\) (`SparseUse`)
+    sum into each example's gradient before squaring; per example this is a
+    `[d_K, d_C]` matrix, in chunks of at most `CHUNK_NUMBERS` numbers.
+
+    Args:
+        a: Rotated input rows `[N, S, d_K]`.
+        g: Rotated output-gradient rows `[N, S, d_C]`.
+        weight: \(w\), the dense rows' normalisation to undo.
+        use: The one-hot entries of the same examples.
+        Q_C: The output basis (None: the identity), in `g`'s dtype.
+
+    Returns:
+        Tensor `[d_C, d_K]`.
+    """
+    num, _, d_K = a.shape
+    d_C = g.shape[-1]
+    order = torch.argsort(use.examples, stable=True)
+    examples, columns = use.examples[order], use.columns[order]
+    entries = use.rotated(Q_C, g.dtype)[order]
+    # entries of examples [k, l) are [bounds[k], bounds[l]) (one host read)
+    bounds = torch.searchsorted(examples, torch.arange(num + 1, device=a.device))
+    bounds = bounds.tolist()
+    step = max(1, CHUNK_NUMBERS // (d_C * d_K))
+    total = a.new_zeros(d_K, d_C)
+    for start in range(0, num, step):
+        stop = min(start + step, num)
+        per_example = torch.bmm(a[start:stop].mT, g[start:stop]).mul_(weight**0.5)
+        first, last = bounds[start], bounds[stop]
+        slots = (examples[first:last] - start) * d_K + columns[first:last]
+        per_example.view(-1, d_C).index_add_(0, slots, entries[first:last])
+        total.add_(per_example.square_().sum(0))
+    return total.T
 
 
 def _sum_of_squares(a: Tensor, g: Tensor) -> Tensor:

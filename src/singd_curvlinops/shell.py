@@ -250,13 +250,12 @@ class KroneckerOptimizer(
                 flipped = None if record is None else record.transposed()
                 twin_options = layer.twin.options(group)
                 transposed = partial(self._rule.project, flipped, group=twin_options)
-        if layer.twin is not None and (transposed is None or self._rule.per_example):
+        if layer.twin is not None and transposed is None:
             raise ValueError(
                 f"Layer {layer.name!r} is tied to a layer used transposed (an "
-                "embedding tied to an output layer), which per-example rules "
-                "(EKFAC) do not support, nor, under "
-                "distribute=Shard(factors='owned'), rules other than SINGD's and "
-                "KFAC's (their owners project each orientation)."
+                "embedding tied to an output layer), which under "
+                "distribute=Shard(factors='owned') only SINGD's and KFAC's rules "
+                "support (their owners project each orientation)."
             )
         dtypes = layer.factor_dtypes(group)
         state_validation.check_factor_dtypes(layer, state, dtypes, self._rule)

@@ -136,6 +136,10 @@ CASES_W2 = {
     "fsdp_ekfac": FSDP_EKFAC,
     "fsdp_ekfac_accumulate": replace(FSDP_EKFAC, wrap="fsdp_accumulate"),
     "fsdp_attention_ekfac": replace(FSDP_EKFAC, model="attention"),
+    # EKFAC on a tied embedding (before 2026-12-04: a ValueError): each example's
+    # gradient sums the one-hot and the head's use, on every rank's examples
+    "tied_ekfac": replace(FSDP_EKFAC, wrap="ddp", model="tied"),
+    "fsdp_tied_ekfac": replace(FSDP_EKFAC, model="tied"),
     "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
     "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="tied"),
 }
@@ -159,6 +163,7 @@ CASES_W3 = {
     "fsdp_ekfac": replace(FSDP_EKFAC, options={**EKFAC_OPTIONS, "T": 1}),
     "fsdp_embed_ekfac": replace(FSDP_EKFAC, model="embed"),
     "fsdp_conv1d_ekfac": replace(FSDP_EKFAC, model="conv1d"),
+    "tied_ekfac_accumulate": replace(FSDP_EKFAC, wrap="accumulate", model="tied"),
 }
 RESUME_AT = 3
 ROUTED = ("replicate", "shard", "owned", "factors")

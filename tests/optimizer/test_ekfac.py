@@ -329,13 +329,45 @@ def test_diagonal_factors_give_the_diagonal_empirical_fisher() -> None:
 def test_unsupported_combinations_raise() -> None:
     with pytest.raises(ValueError, match="distribute='replicate'"):
         EKFAC(model_of("conv"), distribute="shard")
+
+
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_a_tied_embedding_squares_the_sum_of_both_uses(kfac_approx: str) -> None:
+    r"""An embedding tied to the output layer (GPT-2's layout; before 2026-12-04
+    a `ValueError`): each example's gradient of the shared table is the sum of
+    its one-hot use and the head's transposed use, and EKFAC squares that sum,
+    E = (1 / (N S)) Σ_n (Q_Gᵀ ∇ℓ_n)² in the embedding's layout `[D, V]` (its
+    one-hot side's basis is the identity), against `torch.func`."""
     torch.manual_seed(0)
     embedding = nn.Embedding(7, 4)
     head = nn.Linear(4, 7, bias=False)
     head.weight = embedding.weight  # tied, used transposed
-    model = nn.Sequential(embedding, head).double()
-    optimizer = EKFAC(model, T=1)
-    tokens = torch.randint(0, 7, (5, 3))
-    with pytest.raises(ValueError, match="per-example rules"):
-        nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-    assert optimizer.layers
+    model = nn.Sequential(embedding, nn.Tanh(), head).double()
+    optimizer = EKFAC(
+        model, lr=0.05, T=1, loss_average="batch+sequence", kfac_approx=kfac_approx
+    )
+    tokens = torch.randint(0, 7, (6, 3), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, dims=1)
+    params = dict(model.named_parameters(remove_duplicate=False))  # both names
+
+    def loss(p: dict[str, Tensor], x: Tensor, target: Tensor) -> Tensor:
+        logits = functional_call(model, p, (x.unsqueeze(0),), tie_weights=False)
+        return nn.functional.cross_entropy(
+            logits.flatten(0, 1), target, reduction="sum"
+        )
+
+    per_example = vmap(grad(loss), in_dims=(None, 0, 0))
+    uses = per_example(params, tokens, targets)  # each use's part of ∇ℓ_n
+    uses = [uses["0.weight"].mT, uses["2.weight"].mT]  # [N, D, V]: Γ's layout
+    gradients = uses[0] + uses[1]  # the shared table's
+    nn.functional.cross_entropy(
+        model(tokens).flatten(0, 1), targets.flatten()
+    ).backward()
+    optimizer.step()
+    state = optimizer.state[embedding.weight]
+    assert "A.diag" in state and state["eigenvalues"].shape == (4, 7)
+    Q_G = state["Q_G.mat"]
+    expected = (Q_G.T @ gradients).square().mean(0) / 3
+    torch.testing.assert_close(state["eigenvalues"], expected, rtol=1e-10, atol=1e-14)
+    apart = sum((Q_G.T @ use).square().mean(0) / 3 for use in uses)
+    assert not torch.allclose(state["eigenvalues"], apart)  # the sum is squared

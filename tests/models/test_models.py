@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from singd_curvlinops import KFAC, SINGD
+from singd_curvlinops import EKFAC, KFAC, SINGD
 from tests.models.zoo import MODELS
 
 pytestmark = pytest.mark.slow
@@ -29,6 +29,7 @@ CONFIGURATIONS = {
     "SINGD-diagonal": (SINGD, {"structures": ("diagonal", "diagonal")}),
     "IKFAC": (SINGD, {"kfac_like": True, "max_dense_dim": 1024}),
     "KFAC": (KFAC, {"damping": 0.1, "max_dense_dim": 1024}),
+    "EKFAC": (EKFAC, {"damping": 0.1, "max_dense_dim": 1024}),
 }
 
 

@@ -238,6 +238,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     for model in ("embed", "conv1d"):  # column shards (a bias beside them)
         case = Case(DENSE, "fsdp", model=model)
         _resume(results, out, case, f"fsdp-{model}", files=False)
+    # EKFAC's eigenbases and eigenvalues (replicated) beside sharded momenta
+    _resume(results, out, replace(FSDP_EKFAC, model="tied"), "fsdp-ekfac", False)
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")

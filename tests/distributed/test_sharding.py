@@ -255,6 +255,7 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp",
         "fsdp-embed",
         "fsdp-conv1d",
+        "fsdp-ekfac",
         "shard-relay",
         "owned-helper",
         "shard-tied",

@@ -28,6 +28,7 @@ from comparison import rel, state_devices
 sys.path.insert(0, os.getcwd())
 from tests.distributed.harness import (  # noqa: E402
     DENSE,
+    EKFAC_OPTIONS,
     IKFAC,
     KFAC_OPTIONS,
     SPARSE,
@@ -94,6 +95,21 @@ for wrap_name in ("ddp", "fsdp"):
             ),
         )
     )
+    # EKFAC (replicated factor work): rows, a tied embedding (both before
+    # 2026-12-04 a ValueError under FSDP2, the tie also under DDP)
+    for model in ("three", "tied"):
+        CASES.append(
+            (
+                f"{wrap_name} ekfac replicate model={model}",
+                Case(
+                    options=dict(EKFAC_OPTIONS),
+                    wrap=wrap_name,
+                    optimizer="ekfac",
+                    distribute="replicate",
+                    model=model,
+                ),
+            )
+        )
     # "block": two layers in one FSDP2 unit; "attention": an encoder layer unit
     # and an nn.MultiheadAttention unit (both wrong under FSDP2 before 2026-12-04)
     # "tied", "embed", "conv1d": FSDP2's column shards (refused before 2026-12-04)

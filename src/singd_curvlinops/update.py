@@ -368,8 +368,8 @@ def checked_parameter_steps(
     peak_param, peak_direction = peaks([params, changes])
     largest = max(abs(lr) for lr in lrs) if finite_lrs else 0.0
     sound = lands(peak_param, peak_direction, largest, params[0].dtype)
-    if not finite_lrs:
-        sound = sound & False
+    if not finite_lrs:  # a non-finite learning rate never lands
+        sound = torch.zeros_like(sound)
 
     def apply(ok: Tensor) -> None:
         discard = ~ok.to(params[0].device)

@@ -21,7 +21,9 @@ D = \hat m / (\sqrt{\hat v} + \epsilon) \ \text{(AdamW's moments of } \Gamma\tex
 before weight decay, momentum and the learning rate: SINGD picks the direction,
 the grafted optimizer the step size, layer by layer. The AdamW moments use the
 group's `fallback_betas` and `fallback_eps` and live in the layer's state as
-`"graft_exp_avg"`, `"graft_exp_avg_sq"` (layout of \(\Gamma\)).
+`"graft_exp_avg"`, `"graft_exp_avg_sq"` (layout of \(\Gamma\); under FSDP2 a
+`DTensor` of the rank's rows or columns, `fsdp.gamma_zeros`, whose norms
+`LayerStepper.apply` sums over the ranks).
 
 **Fallback parameters** go through their group's `FallbackRule`
 (`rules.fallback`).
@@ -38,6 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
+from singd_curvlinops.distributed.fsdp import gamma_zeros, is_sharded, local, split_bias
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.fallback import (
     FALLBACK_RULES,
@@ -55,27 +58,33 @@ def init_graft_state(layer: Layer, group: Mapping[str, Any]) -> dict[str, Tensor
         group: Its parameter group.
 
     Returns:
-        `"graft_exp_avg"` and `"graft_exp_avg_sq"` in the layout of Gamma, or
-        nothing without AdamW grafting.
+        `"graft_exp_avg"` and `"graft_exp_avg_sq"` in the layout of Gamma
+        (under FSDP2 sharded as its blocks: `fsdp.gamma_zeros`), or nothing
+        without AdamW grafting, or for a layer whose blocks are not shards of
+        Gamma (`fsdp.split_bias`: grafting refuses it).
     """
-    if group["graft"] != "adamw":
+    if group["graft"] != "adamw" or (is_sharded(layer) and split_bias(layer)):
         return {}
-    weight = layer.weight
-    zeros = torch.zeros(layer.dims[::-1], dtype=weight.dtype, device=weight.device)
-    return {"graft_exp_avg": zeros, "graft_exp_avg_sq": zeros.clone()}
+    return {"graft_exp_avg": gamma_zeros(layer), "graft_exp_avg_sq": gamma_zeros(layer)}
 
 
 def graft_norm(
-    grad: Tensor, state: dict[str, Any], group: Mapping[str, Any]
+    grad: Tensor | None, state: dict[str, Any], group: Mapping[str, Any], layer: Layer
 ) -> Tensor | None:
     r"""Return \(\lVert D \rVert_F\), the norm of the grafted direction (or None).
 
+    Under FSDP2, of this rank's block of \(D\) (`grad` is this rank's block of
+    \(\Gamma\), the moments are sharded alike); `LayerStepper.apply` sums the
+    squares over the ranks.
+
     Args:
-        grad: The layer's \(\Gamma\), unscaled (not modified).
+        grad: The layer's \(\Gamma\) (block), unscaled (not modified); None: no
+            gradient on this rank (a zero norm, no moment changes).
         state: The layer's state (AdamW moments updated in place; `"step"`
             already counts this step; grafting switched on after construction
             keeps its own count, `"graft_step"`).
         group: The layer's group.
+        layer: The layer (for the moments' layout).
 
     Returns:
         A 0-d tensor, or None without grafting.
@@ -83,18 +92,20 @@ def graft_norm(
     graft = group["graft"]
     if graft is None:
         return None
+    if grad is None:
+        return torch.zeros((), device=local(layer.weight).device)
     if graft == "sgd":
         return torch.linalg.vector_norm(grad)
     if "graft_exp_avg" not in state:  # switched on later: count its own steps
-        state["graft_exp_avg"] = torch.zeros_like(grad)
-        state["graft_exp_avg_sq"] = torch.zeros_like(grad)
+        state["graft_exp_avg"] = gamma_zeros(layer)
+        state["graft_exp_avg_sq"] = gamma_zeros(layer)
         state["graft_step"] = torch.zeros((), dtype=torch.int64)
     if "graft_step" in state:  # (AdamW's bias correction counts grafted steps)
         state["graft_step"].add_(1)
     (direction,) = adam_directions(
         [grad],
-        [state["graft_exp_avg"]],
-        [state["graft_exp_avg_sq"]],
+        [local(state["graft_exp_avg"])],
+        [local(state["graft_exp_avg_sq"])],
         steps=[int(state.get("graft_step", state["step"]))],
         betas=group["fallback_betas"],
         eps=group["fallback_eps"],
@@ -102,17 +113,20 @@ def graft_norm(
     return torch.linalg.vector_norm(direction)
 
 
-def rescale(direction: Tensor, norm: Tensor) -> Tensor:
+def rescale(direction: Tensor, norm: Tensor, current: Tensor | None = None) -> Tensor:
     r"""Rescale `direction` in place to Frobenius norm `norm` (zero stays zero).
 
     Args:
-        direction: \(\Delta\).
+        direction: \(\Delta\) (or this rank's block of it).
         norm: The target norm.
+        current: \(\lVert \Delta \rVert_F\) (default: `direction`'s own norm;
+            under FSDP2 the norm over every rank's block).
 
     Returns:
         `direction`.
     """
-    current = torch.linalg.vector_norm(direction)
+    if current is None:
+        current = torch.linalg.vector_norm(direction)
     tiny = torch.finfo(current.dtype).tiny
     return direction.mul_((norm / current.clamp(min=tiny)).to(direction.dtype))
 

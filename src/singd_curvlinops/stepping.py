@@ -22,12 +22,17 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
-from singd_curvlinops.distributed.collectives import rank, world_size
+from singd_curvlinops.distributed.collectives import (
+    named_collective,
+    rank,
+    world_size,
+)
 from singd_curvlinops.distributed.fsdp import (
     block_parts,
     column_block,
@@ -36,14 +41,13 @@ from singd_curvlinops.distributed.fsdp import (
     split_bias,
     splits_columns,
 )
-from singd_curvlinops.distributed.layout import SHELL_KEYS, side_of
+from singd_curvlinops.distributed.layout import GRAFT, SHELL_KEYS, side_of
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, FactorStatistics, Preconditioner
 from singd_curvlinops.verdicts import choose, finite
 
 Records = Callable[[Layer, tuple[int, ...]], Preconditioner]
-GRAFT = "graft_"  # prefix of the grafting moments in a layer's state
 
 
 def is_due(state: dict[str, Any], group: dict[str, Any]) -> bool:
@@ -299,18 +303,17 @@ class LayerStepper:
                 overwritten.
         """
         blocked = is_sharded(layer) and split_bias(layer)
-        if not blocked and not local(layer.params[0]).numel():  # an empty shard
-            return
+        sharded = is_sharded(layer) and world_size() > 1
         group, state = self.group(layer), self.state[layer.weight]
         choices = []
-        if group["graft"] is not None:
-            before = {k: v.clone() for k, v in state.items() if k.startswith(GRAFT)}
-            grad = self.gradient(layer)
-            norm = parameter_update.graft_norm(grad, state, group)
-            parameter_update.rescale(direction, norm)
-            for key in [key for key in state if key.startswith(GRAFT)]:
-                old = before.get(key, torch.zeros_like(state[key]))  # (new: zeros)
-                choices.append((state[key], state[key], old))
+        if group["graft"] is not None:  # (on every rank: norms over all shards)
+            choices = self._graft(layer, direction, group, state)
+        if not blocked and not local(layer.params[0]).numel():  # an empty shard
+            if choices:  # its grafting counter follows the other ranks' verdict
+                passed = torch.ones((), dtype=torch.bool, device=direction.device)
+                commit = partial(choose, choices)
+                self.guard.parameter_update(layer, passed, commit, defer=sharded)
+            return
         parts = block_parts(layer, direction, rank(), world_size()) if blocked else None
         steps = parameter_update.layer_steps(
             layer, direction, self.groups, self.state, local=local, parts=parts
@@ -325,8 +328,40 @@ class LayerStepper:
             apply(ok)
             choose(choices, ok)
 
-        sharded = is_sharded(layer) and world_size() > 1
         self.guard.parameter_update(layer, sound, commit, defer=sharded)
+
+    def _graft(
+        self, layer: Layer, direction: Tensor, group: dict[str, Any], state: dict
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        r"""Rescale \(\Delta\) to the grafted direction's norm (`parameter_update`).
+
+        Under FSDP2 both norms are summed over the ranks' blocks (one all-reduce
+        of two numbers per layer, on every rank in the same order).
+
+        Args:
+            layer: The layer.
+            direction: \(\Delta\) (this rank's block; rescaled in place).
+            group: Its group.
+            state: Its state (the AdamW moments change).
+
+        Returns:
+            `(target, new, old)` of the grafting entries, for the step's verdict.
+        """
+        before = {k: v.clone() for k, v in state.items() if k.startswith(GRAFT)}
+        norm = parameter_update.graft_norm(self.gradient(layer), state, group, layer)
+        current = torch.linalg.vector_norm(direction)
+        if is_sharded(layer) and world_size() > 1:
+            dtype = torch.promote_types(norm.dtype, current.dtype)
+            squares = torch.stack([norm.to(dtype), current.to(dtype)]).square()
+            with named_collective("The sum of a grafted layer's norms over shards"):
+                dist.all_reduce(squares)
+            norm, current = squares.sqrt().unbind()
+        parameter_update.rescale(direction, norm, current)
+        choices = []
+        for key in [key for key in state if key.startswith(GRAFT)]:
+            old = before.get(key, torch.zeros_like(state[key]))  # (new: zeros)
+            choices.append((local(state[key]), local(state[key]), local(old)))
+        return choices
 
     def check(self, layers: list[Layer]) -> None:
         """Raise before any change if an option cannot work on these layers.
@@ -335,15 +370,19 @@ class LayerStepper:
             layers: The layers of this step.
 
         Raises:
-            ValueError: For grafting on an FSDP2 shard (it needs the whole
-                layer, which no rank holds).
+            ValueError: For grafting on FSDP2's column shards with a bias
+                beside them (Hugging Face's `Conv1D`): their blocks are not
+                shards of Gamma, in which grafting keeps its moments.
         """
         for layer in layers:
-            if self.group(layer)["graft"] is not None and is_sharded(layer):
+            graft = self.group(layer)["graft"]
+            if graft is not None and is_sharded(layer) and split_bias(layer):
                 raise ValueError(
-                    f"Layer {layer.name!r}: graft={self.group(layer)['graft']!r} "
-                    "needs the whole gradient of the layer; FSDP2 shards it. Use "
-                    "graft=None for sharded layers."
+                    f"Layer {layer.name!r}: graft={graft!r} keeps its moments in "
+                    "the layout of the layer's gradient matrix, which FSDP2 splits "
+                    "by columns for the weight and by rows for the bias (Hugging "
+                    "Face's Conv1D). Use graft=None for this layer (a parameter "
+                    "group of its own)."
                 )
 
     def update_factors(self, layer: Layer) -> None:

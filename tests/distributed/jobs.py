@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -140,6 +140,15 @@ CASES_W2 = {
     # gradient sums the one-hot and the head's use, on every rank's examples
     "tied_ekfac": replace(FSDP_EKFAC, wrap="ddp", model="tied"),
     "fsdp_tied_ekfac": replace(FSDP_EKFAC, model="tied"),
+    # grafting under FSDP2 (before 2026-12-04: a ValueError): norms summed over
+    # the shards, AdamW's moments sharded as Γ's rows or columns
+    "fsdp_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp"),
+    "fsdp_graft_replicate": Case({**DENSE, "graft": "sgd"}, "fsdp", "replicate"),
+    "fsdp_embed_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", model="embed"),
+    "fsdp_tied_graft_kfac": Case(
+        {**KFAC_OPTIONS, "graft": "adamw"}, "fsdp", optimizer="kfac", model="tied"
+    ),
+    "fsdp_graft_accumulate": Case({**IKFAC, "graft": "adamw"}, "fsdp_accumulate"),
     "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
     "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="tied"),
 }
@@ -164,7 +173,11 @@ CASES_W3 = {
     "fsdp_embed_ekfac": replace(FSDP_EKFAC, model="embed"),
     "fsdp_conv1d_ekfac": replace(FSDP_EKFAC, model="conv1d"),
     "tied_ekfac_accumulate": replace(FSDP_EKFAC, wrap="accumulate", model="tied"),
+    # Linear 48→2 on 3 ranks: an empty shard takes part in the norms' sum
+    "fsdp_two_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", model="two"),
+    "fsdp_attention_graft": Case({**DENSE, "graft": "sgd"}, "fsdp", model="attention"),
 }
+GRAFT_LATER = Case(SPARSE, "fsdp")
 RESUME_AT = 3
 ROUTED = ("replicate", "shard", "owned", "factors")
 
@@ -221,6 +234,22 @@ def _other_rule(results: dict[str, Any]) -> None:
         results[f"params/other_rule/{model}"] = params(net.module)
 
 
+def train_graft_later(case: Case) -> list[Tensor]:
+    """Train with AdamW grafting switched on at step 2 (its moments made then).
+
+    Returns:
+        The parameters after `STEPS` steps.
+    """
+    model = build_model(case.model)
+    net = wrap(case, model) if dist.is_initialized() else model
+    optimizer = make_optimizer(case, net)
+    for step in range(STEPS):
+        if step == 2:
+            optimizer.param_groups[0]["graft"] = "adamw"
+        train_step(case, net, optimizer, step)
+    return params(model)
+
+
 def _train_steps(case: Case, net: nn.Module, optimizer: Any) -> None:
     for step in range(STEPS):
         train_step(case, net, optimizer, step)
@@ -240,6 +269,10 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         _resume(results, out, case, f"fsdp-{model}", files=False)
     # EKFAC's eigenbases and eigenvalues (replicated) beside sharded momenta
     _resume(results, out, replace(FSDP_EKFAC, model="tied"), "fsdp-ekfac", False)
+    for model in ("three", "embed"):  # grafting's moments as Γ's rows, columns
+        case = Case({**SPARSE, "graft": "adamw"}, "fsdp", model=model)
+        _resume(results, out, case, f"fsdp-graft-{model}", files=False)
+    results["graft_later"] = train_graft_later(GRAFT_LATER)
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")
@@ -429,6 +462,12 @@ def _bytes(results: dict[str, Any]) -> None:
             partial(train_step, case, net, optimizer, 0)
         )
         results[f"bytes/fsdp_{model}/reported"] = bytes_per_step(optimizer, update=True)
+    case = Case({**SPARSE, "graft": "adamw"}, "fsdp", "replicate")  # norms' sums
+    net = wrap(case, build_model(case.model))
+    optimizer = make_optimizer(case, net)
+    recorded = _recorded(partial(train_step, case, net, optimizer, 0))
+    results["bytes/fsdp_graft"] = recorded
+    results["bytes/fsdp_graft/reported"] = bytes_per_step(optimizer, update=True)
     for distribute in ("replicate", "shard", "owned"):  # a twin's statistics too
         case = Case(DENSE, distribute=distribute, model="tied")
         net = wrap(case, build_model(case.model))
@@ -561,7 +600,7 @@ def misuse(results: dict[str, Any], out: Path) -> None:
         results[f"misuse/fsdp_own_layout/{distribute}"] = _error(
             partial(_fsdp_own_layout, distribute)
         )
-        grafted = Case({**SPARSE, "graft": "adamw"}, "fsdp", distribute)
+        grafted = Case({**SPARSE, "graft": "adamw"}, "fsdp", distribute, model="conv1d")
         results[f"misuse/fsdp_graft/{distribute}"] = _error(
             lambda case=grafted: train(case, steps=1)
         )

@@ -10,6 +10,7 @@ misconfigurations (last: a rank that never steps, which breaks the group).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,7 +32,9 @@ from tests.distributed.harness import (
 from tests.distributed.jobs import (
     CASES_W2,
     CASES_W3,
+    GRAFT_LATER,
     ROUTED,
+    train_graft_later,
     train_mixed_precision,
 )
 
@@ -256,6 +259,8 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp-embed",
         "fsdp-conv1d",
         "fsdp-ekfac",
+        "fsdp-graft-three",
+        "fsdp-graft-embed",
         "shard-relay",
         "owned-helper",
         "shard-tied",
@@ -316,6 +321,17 @@ def test_fsdp2_column_shards_gather_their_columns(w2: list[dict]) -> None:
             layers = {"embed": 3, "conv1d": 2}[model]
             assert recorded["checks"][1:] == [4, layers * 4]
             assert reported["checks"] == 4 + layers * 4
+
+
+def test_grafted_fsdp2_shards_sum_two_norms_per_layer(w2: list[dict]) -> None:
+    """Grafting adds an all-reduce of two float64 numbers per sharded layer."""
+    for result in w2:
+        recorded = result["bytes/fsdp_graft"]
+        reported = result["bytes/fsdp_graft/reported"]
+        norms = recorded["all_reduce"][-3:]  # the three layers', after statistics
+        assert norms == [2 * 8] * 3
+        assert sum(recorded["all_reduce"][:-3]) == reported["statistics"] > 0
+        assert reported["checks"] == 4 + 3 * 4 + sum(norms)
 
 
 @pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
@@ -512,12 +528,23 @@ def test_fsdp_shards_that_are_not_rows_or_columns_raise(
 
 
 @pytest.mark.parametrize("distribute", ["replicate", "shard"])
-def test_grafting_under_fsdp_raises(misuse: list[dict], distribute: str) -> None:
-    """Grafting needs the norm of each layer's whole direction (not built)."""
+def test_grafting_on_conv1d_shards_under_fsdp_raises(
+    misuse: list[dict], distribute: str
+) -> None:
+    """Column shards with a bias beside them (Conv1D): grafting's moments live in
+    Γ's layout, of which these blocks are not shards."""
     for result in misuse:
         message = result[f"misuse/fsdp_graft/{distribute}"]
-        assert message.startswith("ValueError: Layer '0': graft='adamw' needs the")
-        assert "graft=None for sharded layers" in message
+        assert message.startswith("ValueError: Layer '1': graft='adamw' keeps its")
+        assert "Hugging Face's Conv1D" in message and "graft=None" in message
+
+
+def test_grafting_switched_on_later_under_fsdp(w2: list[dict]) -> None:
+    """The moments are made at the first grafted step, sharded like Γ's blocks."""
+    single = replace(GRAFT_LATER, wrap="manual", distribute="replicate")
+    expected = train_graft_later(single)
+    for result in w2:
+        _assert_close(result["graft_later"], expected)
 
 
 def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:

@@ -30,9 +30,11 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   updates ride in the gather (one number each, `StepGuard.shared_verdicts`);
   under FSDP2 (shards) they travel in an all-reduce of their own instead,
   a 32-bit integer for the step's inputs, for each side of each updated layer,
-  each layer and each fallback parameter (see `singd_curvlinops.guard`). Under
-  `Replicate` the options' fingerprints travel in the statistics all-reduce:
-  one number per rank.
+  each layer and each fallback parameter (see `singd_curvlinops.guard`); and
+  for each grafted FSDP2 shard the sum of its two squared norms over the
+  ranks (`LayerStepper.apply`: two numbers of the weight's dtype per layer,
+  an all-reduce each). Under `Replicate` the options' fingerprints travel in
+  the statistics all-reduce: one number per rank.
 
 Under `Replicate` with FSDP2's shards every rank preconditions its shards, and
 the step has a gather too (`Replicate.step`): the rows of \(\Gamma P_K\) or
@@ -59,7 +61,7 @@ from singd_curvlinops.distributed import collectives
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import any_shards, is_sharded
+from singd_curvlinops.distributed.fsdp import any_shards, is_sharded, local
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -249,8 +251,25 @@ def bytes_per_step(
         "statistics": statistics,
         "gather": gathered,
         "relay": relay,
-        "checks": 8 * check + 4 * verdicts,
+        "checks": 8 * check + 4 * verdicts + _graft_norm_bytes(optimizer),
     }
+
+
+def _graft_norm_bytes(optimizer: Any) -> int:
+    """Return the bytes of the grafted FSDP2 shards' norm sums of one step.
+
+    Args:
+        optimizer: The optimizer.
+
+    Returns:
+        Two numbers of the weight's dtype per grafted sharded layer.
+    """
+    groups = optimizer.param_groups
+    return sum(
+        2 * local(layer.weight).dtype.itemsize
+        for layer in optimizer.layers
+        if is_sharded(layer) and groups[layer.group_index]["graft"] is not None
+    )
 
 
 def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
@@ -275,7 +294,8 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
     # the inputs' verdict (`verdicts.inputs_verdict`), then the shards' steps
     verdicts = 1 + sum(map(is_sharded, layers))
     verdicts += sum(isinstance(param, DTensor) for param in fallback)
-    return {"gather": world * largest * itemsize, "relay": 0, "checks": 4 * verdicts}
+    checks = 4 * verdicts + _graft_norm_bytes(optimizer)
+    return {"gather": world * largest * itemsize, "relay": 0, "checks": checks}
 
 
 def _column_bytes(layers: list, groups: list, world: int) -> int:

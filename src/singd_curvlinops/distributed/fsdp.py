@@ -124,6 +124,39 @@ def local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def gamma_zeros(layer: Layer) -> Tensor:
+    r"""Return zeros in the layout of \(\Gamma\), `[d_C, d_K]`, sharded as its blocks.
+
+    For a layer's state in \(\Gamma\)'s layout (grafting's AdamW moments): a
+    `DTensor` of this rank's rows (`Shard(0)`) or columns (`Shard(1)`) of
+    \(\Gamma\) for an FSDP2 shard, so that DCP saves and loads it block by
+    block; a plain tensor otherwise.
+
+    Args:
+        layer: The layer (not one with `split_bias`, whose blocks are not
+            shards of \(\Gamma\)).
+
+    Returns:
+        Zeros in the weight's dtype and on its device.
+    """
+    d_K, d_C = layer.dims
+    weight = layer.weight
+    if not is_sharded(layer):
+        return torch.zeros(d_C, d_K, dtype=weight.dtype, device=weight.device)
+    mine = local(weight).shape[0]  # rows of the stored weight
+    by_columns = splits_columns(layer)
+    block = (d_C, mine) if by_columns else (mine, d_K)
+    zeros = torch.zeros(block, dtype=weight.dtype, device=local(weight).device)
+    return DTensor.from_local(
+        zeros,
+        weight.device_mesh,
+        [Shard(int(by_columns))],
+        run_check=False,
+        shape=torch.Size((d_C, d_K)),
+        stride=(d_K, 1),
+    )
+
+
 def independent_columns(layer: Layer) -> bool:
     r"""Return whether each rank finishes its column shard of \(\Delta\) alone.
 

@@ -30,6 +30,9 @@ SHELL_KEYS = frozenset(
         "discarded_factor_updates",
     }
 )
+# prefix of grafting's entries in a layer's state (the shell's, not the rule's:
+# every rank grafts every step it applies, from the same gradient)
+GRAFT = "graft_"
 Plan = Mapping[Layer, Assignment | None]
 
 
@@ -110,7 +113,9 @@ def rule_keys(
     Returns:
         The keys.
     """
-    keys = sorted(key for key in state if key not in SHELL_KEYS)
+    keys = sorted(
+        key for key in state if key not in SHELL_KEYS and not key.startswith(GRAFT)
+    )
     if sides is None:
         return keys
     return [key for key in keys if side_of(key, rule) in sides]
@@ -141,12 +146,9 @@ def kept_everywhere(key: str, rule: FactorRule, owned: bool) -> bool:
         owned: Whether only owners keep factors (`Shard(factors="owned")`).
 
     Returns:
-        True for AdamW grafting's entries (every rank applies every layer's step
-        and grafts it from the same gradient); else False under owned factors and
-        for the rule's `owner_state`, True otherwise.
+        False under owned factors and for the rule's `owner_state`, True
+        otherwise.
     """
-    if key.startswith("graft_"):
-        return True
     return not owned and key.split(".", 1)[0] not in rule.owner_state
 
 

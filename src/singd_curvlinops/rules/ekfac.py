@@ -166,7 +166,11 @@ class EigenbasisPreconditioner(Preconditioner):
     inverse_eigenvalues: Tensor
 
     def tensors(self) -> list[Tensor]:
-        """Return the tensors of the bases and the inverse eigenvalues."""
+        r"""Return the tensors of the bases and the inverse eigenvalues.
+
+        Returns:
+            Those of `K` and `C`, then \(D\).
+        """
         return [*super().tensors(), self.inverse_eigenvalues]
 
     def apply(self, grad: Tensor, *, overwrite: bool = False) -> Tensor:
@@ -181,6 +185,7 @@ class EigenbasisPreconditioner(Preconditioner):
         Returns:
             A new tensor with the shape and dtype of `grad`.
         """
+        # the whole gradient is one block of rows
         return self.shard_finish(0, self.shard_half(0, grad)).to(grad.dtype)
 
     def apply_side(self, side: int, mat: Tensor, *, overwrite: bool = False) -> Tensor:

@@ -110,6 +110,13 @@ for wrap_name in ("ddp", "fsdp"):
                 ),
             )
         )
+    # AdamW grafting (under FSDP2 before 2026-12-04 a ValueError)
+    CASES.append(
+        (
+            f"{wrap_name} graft shard",
+            Case(options={**SPARSE, "graft": "adamw"}, wrap=wrap_name),
+        )
+    )
     # "block": two layers in one FSDP2 unit; "attention": an encoder layer unit
     # and an nn.MultiheadAttention unit (both wrong under FSDP2 before 2026-12-04)
     # "tied", "embed", "conv1d": FSDP2's column shards (refused before 2026-12-04)

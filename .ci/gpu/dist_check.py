@@ -70,23 +70,25 @@ for wrap_name in ("ddp", "fsdp"):
                     Case(options=dict(options), wrap=wrap_name, distribute=distribute),
                 )
             )
-    CASES.append(
-        (
-            f"{wrap_name} kfac shard",
-            Case(options=dict(KFAC_OPTIONS), wrap=wrap_name, optimizer="kfac"),
+    # the baselines; EKFAC (replicated factor work) also on a tied embedding (both
+    # before 2026-12-04 a ValueError under FSDP2, the tie also under DDP)
+    baselines = [
+        ("kfac shard", "kfac", KFAC_OPTIONS, "shard", "three"),
+        ("kfac replicate", "kfac", KFAC_OPTIONS, "replicate", "three"),
+    ]
+    baselines += [
+        (f"ekfac replicate model={model}", "ekfac", EKFAC_OPTIONS, "replicate", model)
+        for model in ("three", "tied")
+    ]
+    for label, optimizer, options, distribute, model in baselines:
+        case = Case(
+            options=dict(options),
+            wrap=wrap_name,
+            optimizer=optimizer,
+            distribute=distribute,
+            model=model,
         )
-    )
-    CASES.append(
-        (
-            f"{wrap_name} kfac replicate",
-            Case(
-                options=dict(KFAC_OPTIONS),
-                wrap=wrap_name,
-                optimizer="kfac",
-                distribute="replicate",
-            ),
-        )
-    )
+        CASES.append((f"{wrap_name} {label}", case))
     CASES.append(
         (
             f"{wrap_name}_accumulate shard sparse",
@@ -95,21 +97,6 @@ for wrap_name in ("ddp", "fsdp"):
             ),
         )
     )
-    # EKFAC (replicated factor work): rows, a tied embedding (both before
-    # 2026-12-04 a ValueError under FSDP2, the tie also under DDP)
-    for model in ("three", "tied"):
-        CASES.append(
-            (
-                f"{wrap_name} ekfac replicate model={model}",
-                Case(
-                    options=dict(EKFAC_OPTIONS),
-                    wrap=wrap_name,
-                    optimizer="ekfac",
-                    distribute="replicate",
-                    model=model,
-                ),
-            )
-        )
     # AdamW grafting (under FSDP2 before 2026-12-04 a ValueError)
     CASES.append(
         (

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
-from singd_curvlinops.distributed.fsdp import gamma_zeros, is_sharded, local, split_bias
+from singd_curvlinops.distributed.fsdp import gamma_zeros, local, split_bias
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.fallback import (
     FALLBACK_RULES,
@@ -63,7 +63,7 @@ def init_graft_state(layer: Layer, group: Mapping[str, Any]) -> dict[str, Tensor
         without AdamW grafting, or for a layer whose blocks are not shards of
         Gamma (`fsdp.split_bias`: grafting refuses it).
     """
-    if group["graft"] != "adamw" or (is_sharded(layer) and split_bias(layer)):
+    if group["graft"] != "adamw" or split_bias(layer):
         return {}
     return {"graft_exp_avg": gamma_zeros(layer), "graft_exp_avg_sq": gamma_zeros(layer)}
 

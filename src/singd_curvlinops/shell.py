@@ -220,9 +220,9 @@ class KroneckerOptimizer(
             None unless the layer's factors are due at its next step.
 
         Raises:
-            ValueError: For a layer tied to a transposed use under a per-example
-                rule (EKFAC), or under `Shard(factors="owned")` with a rule
-                whose owners do not project raw statistics (`projects_raw`).
+            ValueError: For a layer tied to a transposed use under
+                `Shard(factors="owned")` with a rule whose owners do not project
+                raw statistics (`projects_raw`).
         """
         self._options.check(self.param_groups, (layer.group_index,))
         group = self.param_groups[layer.group_index]

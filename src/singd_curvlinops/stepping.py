@@ -277,7 +277,7 @@ class LayerStepper:
         grads = [None if p.grad is None else local(p.grad) for p in layer.params]
         if all(g is None for g in grads):
             return None
-        if is_sharded(layer) and split_bias(layer):  # (`fsdp.column_block`)
+        if split_bias(layer):  # (`fsdp.column_block`)
             grad = column_block(layer, grads, rank(), world_size())
         elif not params[0].numel():
             d_K, d_C = layer.dims  # an empty shard: no rows (columns) of Γ
@@ -302,12 +302,12 @@ class LayerStepper:
                 or columns, under FSDP2: the layout of `gradient`); it may be
                 overwritten.
         """
-        blocked = is_sharded(layer) and split_bias(layer)
+        blocked = split_bias(layer)
         sharded = is_sharded(layer) and world_size() > 1
         group, state = self.group(layer), self.state[layer.weight]
         choices = []
         if group["graft"] is not None:  # (on every rank: norms over all shards)
-            choices = self._graft(layer, direction, group, state)
+            choices = self._graft(layer, direction, group, state, sharded=sharded)
         if not blocked and not local(layer.params[0]).numel():  # an empty shard
             if choices:  # its grafting counter follows the other ranks' verdict
                 passed = torch.ones((), dtype=torch.bool, device=direction.device)
@@ -331,7 +331,13 @@ class LayerStepper:
         self.guard.parameter_update(layer, sound, commit, defer=sharded)
 
     def _graft(
-        self, layer: Layer, direction: Tensor, group: dict[str, Any], state: dict
+        self,
+        layer: Layer,
+        direction: Tensor,
+        group: dict[str, Any],
+        state: dict,
+        *,
+        sharded: bool,
     ) -> list[tuple[Tensor, Tensor, Tensor]]:
         r"""Rescale \(\Delta\) to the grafted direction's norm (`parameter_update`).
 
@@ -343,6 +349,7 @@ class LayerStepper:
             direction: \(\Delta\) (this rank's block; rescaled in place).
             group: Its group.
             state: Its state (the AdamW moments change).
+            sharded: Whether the layer is an FSDP2 shard on several ranks.
 
         Returns:
             `(target, new, old)` of the grafting entries, for the step's verdict.
@@ -350,7 +357,7 @@ class LayerStepper:
         before = {k: v.clone() for k, v in state.items() if k.startswith(GRAFT)}
         norm = parameter_update.graft_norm(self.gradient(layer), state, group, layer)
         current = torch.linalg.vector_norm(direction)
-        if is_sharded(layer) and world_size() > 1:
+        if sharded:
             dtype = torch.promote_types(norm.dtype, current.dtype)
             squares = torch.stack([norm.to(dtype), current.to(dtype)]).square()
             with named_collective("The sum of a grafted layer's norms over shards"):
@@ -376,7 +383,7 @@ class LayerStepper:
         """
         for layer in layers:
             graft = self.group(layer)["graft"]
-            if graft is not None and is_sharded(layer) and split_bias(layer):
+            if graft is not None and split_bias(layer):
                 raise ValueError(
                     f"Layer {layer.name!r}: graft={graft!r} keeps its moments in "
                     "the layout of the layer's gradient matrix, which FSDP2 splits "

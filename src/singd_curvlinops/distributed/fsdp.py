@@ -196,12 +196,13 @@ def split_bias(layer: Layer) -> bool:
     """Return whether FSDP2 splits the weight by columns of Γ and the bias by rows.
 
     Args:
-        layer: A sharded layer.
+        layer: The layer.
 
     Returns:
-        True for a column-sharded layer with a bias (module docs).
+        True for an FSDP2 shard by columns with a bias (module docs); its
+        blocks are `column_block`s, not shards of Γ.
     """
-    return splits_columns(layer) and len(layer.params) == 2
+    return is_sharded(layer) and splits_columns(layer) and len(layer.params) == 2
 
 
 def bias_rows(layer: Layer, rank: int, world_size: int) -> slice:

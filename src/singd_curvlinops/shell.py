@@ -22,7 +22,6 @@ parameter its rule's state.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,16 +37,15 @@ from singd_curvlinops import (
     curvature,
     distributed,
     parameter_update,
-    state_validation,
     verdicts,
 )
 from singd_curvlinops._hyperparameters import check_positive
 from singd_curvlinops.bounds import finite
 from singd_curvlinops.collection_plan import CollectionPlan
+from singd_curvlinops.collection_planning import plan_collection
 from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.copies import CopiesWithModel
 from singd_curvlinops.describe import OptimizerSummary, summarize
-from singd_curvlinops.distributed import gram_rows, raw_gram
 from singd_curvlinops.grad_scaling import GradScaling, without_autocast
 from singd_curvlinops.guard import StepGuard
 from singd_curvlinops.guarded import GuardedSteps
@@ -55,14 +53,10 @@ from singd_curvlinops.layers import Layer, supported_layers
 from singd_curvlinops.layers.layer_set import LayerSet, empty_note
 from singd_curvlinops.lifecycle import Lifecycle
 from singd_curvlinops.option_guard import OptionGuard
+from singd_curvlinops.preconditioner_cache import PreconditionerCache
 from singd_curvlinops.registration import Registration
 from singd_curvlinops.rules import FactorRule, Preconditioner
-from singd_curvlinops.stepping import (
-    LayerStepper,
-    PreconditionerCache,
-    due_in_step,
-    is_due,
-)
+from singd_curvlinops.stepping import LayerStepper, due_in_step, is_due
 
 
 class KroneckerOptimizer(
@@ -217,56 +211,21 @@ class KroneckerOptimizer(
             layer: The layer.
 
         Returns:
-            None unless the layer's factors are due at its next step.
-
-        Raises:
-            ValueError: For a layer tied to a transposed use under
-                `Shard(factors="owned")` with a rule whose owners do not project
-                raw statistics (`projects_raw`).
+            None unless the layer's factors are due at its next step; else
+            `collection_planning.plan_collection`'s plan (its errors pass).
         """
         self._options.check(self.param_groups, (layer.group_index,))
         group = self.param_groups[layer.group_index]
         state = self.state[layer.weight]
         if not is_due(state, group):  # (its gradient arrives after this pass)
             return None
-        options = layer.options(group)
-        project = self._distribution.projection(layer, self._rule, options)
-        transposed = None
-        # owned factors: the twin's raw rows too, if owners project (SINGD, KFAC)
-        raw_twin = project is not None and raw_gram.projects_raw(self._rule)
-        if raw_twin and layer.twin is not None:
-            twin_options = layer.twin.options(group)
-            transposed = self._distribution.projection(
-                layer.twin, self._rule, twin_options
-            )
-        if project is None:  # the rule's, with the current factors if it reads them
-            reads = self._rule.reads_preconditioner
-            record = self._records(layer, ()) if reads else None
-            project = partial(self._rule.project, record, group=options)
-            rows = self._distribution.rows == "projected"  # owners form them
-            if rows and gram_rows.applies(layer, self._rule, options):
-                project = gram_rows.project_to_rows(record, project)
-            if layer.twin is not None:
-                flipped = None if record is None else record.transposed()
-                twin_options = layer.twin.options(group)
-                transposed = partial(self._rule.project, flipped, group=twin_options)
-        if layer.twin is not None and transposed is None:
-            raise ValueError(
-                f"Layer {layer.name!r} is tied to a layer used transposed (an "
-                "embedding tied to an output layer), which under "
-                "distribute=Shard(factors='owned') only SINGD's and KFAC's rules "
-                "support (their owners project each orientation)."
-            )
-        dtypes = layer.factor_dtypes(group)
-        state_validation.check_factor_dtypes(layer, state, dtypes, self._rule)
-        return CollectionPlan(
-            kfac_approx=group["kfac_approx"],
-            loss_average=group["loss_average"],
-            dtypes=dtypes,
-            grad_scale=state["grad_scale"],
-            project=project,
-            project_transposed=transposed,
-            per_example=self._rule.per_example,
+        return plan_collection(
+            layer,
+            group,
+            state,
+            rule=self._rule,
+            distribution=self._distribution,
+            records=self._records,
         )
 
     # --------------------------------------------------------------- curvature

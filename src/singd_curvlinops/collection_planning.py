@@ -1,0 +1,87 @@
+"""How the optimizer shell answers its statistics collector for one layer.
+
+`plan_collection` builds a due layer's `CollectionPlan`: the rule's projection
+of the rows (with the current factors if the rule reads them), the owners'
+projection under a sharded strategy, statistics as rows where they are fewer
+than the factor's dimension (`distributed.gram_rows`), and the projection of a
+tied weight's transposed use (`Layer.twin`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from singd_curvlinops import state_validation
+from singd_curvlinops.collection_plan import CollectionPlan
+from singd_curvlinops.distributed import DistributionStrategy, gram_rows, raw_gram
+from singd_curvlinops.layers import Layer
+from singd_curvlinops.preconditioner_cache import PreconditionerCache
+from singd_curvlinops.rules import FactorRule
+
+
+def plan_collection(
+    layer: Layer,
+    group: dict[str, Any],
+    state: dict[str, Any],
+    *,
+    rule: FactorRule,
+    distribution: DistributionStrategy,
+    records: PreconditionerCache,
+) -> CollectionPlan:
+    """Return what to collect for a due layer's forward call.
+
+    Args:
+        layer: The layer, due at its next step.
+        group: Its parameter group.
+        state: Its state (`"grad_scale"`, the factors' dtypes checked).
+        rule: The factor rule.
+        distribution: The distribution strategy (owners' projections, rows).
+        records: The optimizer's preconditioner records.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: For a layer tied to a transposed use under
+            `Shard(factors="owned")` with a rule whose owners do not project
+            raw statistics (`raw_gram.projects_raw`); a factor dtype that
+            differs from the state's (`state_validation.check_factor_dtypes`).
+    """
+    options = layer.options(group)
+    project = distribution.projection(layer, rule, options)
+    transposed = None
+    # owned factors: the twin's raw rows too, if owners project (SINGD, KFAC)
+    raw_twin = project is not None and raw_gram.projects_raw(rule)
+    if raw_twin and layer.twin is not None:
+        twin_options = layer.twin.options(group)
+        transposed = distribution.projection(layer.twin, rule, twin_options)
+    if project is None:  # the rule's, with the current factors if it reads them
+        reads = rule.reads_preconditioner
+        record = records(layer, ()) if reads else None
+        project = partial(rule.project, record, group=options)
+        rows = distribution.rows == "projected"  # owners form them
+        if rows and gram_rows.applies(layer, rule, options):
+            project = gram_rows.project_to_rows(record, project)
+        if layer.twin is not None:
+            flipped = None if record is None else record.transposed()
+            twin_options = layer.twin.options(group)
+            transposed = partial(rule.project, flipped, group=twin_options)
+    if layer.twin is not None and transposed is None:
+        raise ValueError(
+            f"Layer {layer.name!r} is tied to a layer used transposed (an "
+            "embedding tied to an output layer), which under "
+            "distribute=Shard(factors='owned') only SINGD's and KFAC's rules "
+            "support (their owners project each orientation)."
+        )
+    dtypes = layer.factor_dtypes(group)
+    state_validation.check_factor_dtypes(layer, state, dtypes, rule)
+    return CollectionPlan(
+        kfac_approx=group["kfac_approx"],
+        loss_average=group["loss_average"],
+        dtypes=dtypes,
+        grad_scale=state["grad_scale"],
+        project=project,
+        project_transposed=transposed,
+        per_example=rule.per_example,
+    )

@@ -560,7 +560,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_ddp_example_runs_under_torchrun() -> None:
+@pytest.mark.parametrize("options", [[], ["--fsdp", "--distribute", "owned"]])
+def test_ddp_example_runs_under_torchrun(options: list[str]) -> None:
     command = [
         sys.executable,
         "-m",
@@ -574,6 +575,7 @@ def test_ddp_example_runs_under_torchrun() -> None:
         str(ROOT / "docs" / "examples" / "ddp_train.py"),
         "--epochs",
         "1",
+        *options,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -15,6 +15,7 @@ through `all_gather_object` of their local shards, because PyTorch's own
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import traceback
@@ -54,15 +55,8 @@ def full_params(model):
 
 CASES = []
 for wrap_name in ("ddp", "fsdp"):
-    # the documented refusal under FSDP2: Shard(factors="owned") (a clear
-    # ValueError, tested in CI)
-    fsdp = wrap_name == "fsdp"
-    strategies = (
-        ("replicate", "shard", "factors")
-        if fsdp
-        else ("replicate", "shard", "owned", "factors")
-    )
-    for distribute in strategies:
+    # (owned factors under FSDP2 before 2026-12-05: a ValueError)
+    for distribute in ("replicate", "shard", "owned", "factors"):
         for label, options in (("sparse", SPARSE), ("dense", DENSE), ("ikfac", IKFAC)):
             CASES.append(
                 (
@@ -108,11 +102,11 @@ for wrap_name in ("ddp", "fsdp"):
     # and an nn.MultiheadAttention unit (both wrong under FSDP2 before 2026-12-04)
     # "tied", "embed", "conv1d": FSDP2's column shards (refused before 2026-12-04)
     models = ("norm", "two", "block", "attention", "tied", "embed", "conv1d")
-    for model in models:
+    for model, distribute in itertools.product(models, ("shard", "owned")):
         CASES.append(
             (
-                f"{wrap_name} shard model={model}",
-                Case(options=dict(DENSE), wrap=wrap_name, model=model),
+                f"{wrap_name} {distribute} model={model}",
+                Case(dict(DENSE), wrap_name, distribute, model=model),
             )
         )
 

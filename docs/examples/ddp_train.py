@@ -4,8 +4,10 @@ Run it from the repository root with
 
     torchrun --nproc_per_node 2 docs/examples/ddp_train.py
 
-(add `--epochs 1` for a quick check, `--distribute replicate` to have every process
-do all factor work). Every process builds the same model, wraps it in
+(add `--epochs 1` for a quick check, `--distribute replicate` to have every
+process do all factor work, `--distribute owned` to keep each layer's factors on
+its owner only, `--fsdp` to shard the model with FSDP2 instead of wrapping it in
+DDP). Every process builds the same model, wraps it in
 `DistributedDataParallel` and hands the wrapper to `SINGD` with
 `distribute="shard"`: each layer's factor updates and preconditioning are done by
 one owner process (the costliest layer's two factors by two), and one `all_gather`
@@ -71,6 +73,23 @@ def small_cnn() -> nn.Module:
     )
 
 
+def sharded(model: nn.Module) -> nn.Module:
+    """Shard the model with FSDP2: each convolution and linear layer, then the root.
+
+    Args:
+        model: The model.
+
+    Returns:
+        It, sharded in place.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model:
+        if isinstance(module, nn.Conv2d | nn.Linear):
+            fully_shard(module)
+    return fully_shard(model)
+
+
 def describe(optimizer: SINGD, model: nn.Module) -> None:
     """Print who owns which factors and the bytes of the collectives (rank 0).
 
@@ -95,8 +114,10 @@ def describe(optimizer: SINGD, model: nn.Module) -> None:
         f"{world_size} processes, distribute={strategy!r}; SINGD's "
         f"statistics: bytes per update step: {bytes_per_update(optimizer)} (every "
         f"T={optimizer.defaults['T']} steps); all_gather: {update['gather']} bytes "
-        f"on update steps, {other['gather']} on the others; DDP's gradients: "
-        f"{gradient_bytes} bytes every step"
+        f"on update steps, {other['gather']} on the others; FSDP2's blocks to and "
+        f"from owners: {other['blocks']} bytes every step; the gradients: "
+        f"{gradient_bytes} bytes every step (DDP's all-reduce or FSDP2's "
+        "reduce-scatter)"
     )
 
 
@@ -105,8 +126,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--distribute", choices=("shard", "replicate"), default="shard")
+    parser.add_argument(
+        "--distribute", choices=("shard", "replicate", "owned"), default="shard"
+    )
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2")
     args = parser.parse_args()
+    distribute = {"owned": Shard(factors="owned")}.get(args.distribute, args.distribute)
 
     dist.init_process_group("gloo")  # torchrun sets rank, world size and address
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -115,7 +140,7 @@ def main() -> None:
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
-    model = DistributedDataParallel(small_cnn())
+    model = sharded(small_cnn()) if args.fsdp else DistributedDataParallel(small_cnn())
     optimizer = SINGD(
         model,
         lr=0.05,
@@ -123,7 +148,7 @@ def main() -> None:
         lr_cov=0.05,
         T=5,
         structures=("dense", "diagonal"),
-        distribute=args.distribute,
+        distribute=distribute,
     )
     loss_function = nn.CrossEntropyLoss()
 

@@ -111,7 +111,7 @@ distributed (--distributed, started by torchrun; gloo on CPU):
   one torch thread each unless --threads), default structure dense; prints one
   table with the slowest process's ms/step (median and spread over the rounds),
   the ratio to replicate, the factor state of the process that holds the most,
-  and the bytes the collectives move.
+  and the bytes the collectives move; with --fsdp the model is sharded by FSDP2.
 """
 
 
@@ -275,6 +275,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time replicate against shard on the processes of torchrun (below)",
     )
+    add("--fsdp", action="store_true", help="with --distributed: FSDP2, not DDP")
     add(
         "--json",
         type=output_file(".json"),
@@ -394,6 +395,8 @@ def _check_combinations(
                 "training examples."
             )
     elif args.command == "bench":
+        if args.fsdp and not args.distributed:
+            parser.error("bench: --fsdp shards the model of --distributed; add it.")
         if args.distributed and "WORLD_SIZE" not in os.environ:
             parser.error(
                 "bench --distributed runs on the processes of torchrun: start it "

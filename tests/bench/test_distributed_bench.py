@@ -33,6 +33,13 @@ def test_distributed_benchmark_without_torchrun_exits_with_a_hint(monkeypatch, c
     assert "start it with torchrun --nproc_per_node 2 -m singd_curvlinops" in err
 
 
+def test_fsdp_without_distributed_exits_with_a_hint(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--fsdp"])
+    assert info.value.code == 2
+    assert "--fsdp shards the model of --distributed" in capsys.readouterr().err
+
+
 def test_factor_bytes_count_the_factors_and_momenta_only():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -51,7 +58,7 @@ def _record(strategy: str, blocks: list[float]) -> dict:
         "ms_per_step": statistics.median(blocks),
         "block_ms_per_step": blocks,
         "factor_mib": 2.0 if strategy == "replicate" else 1.0,
-        "update_bytes": {"statistics": 0, "gather": 0, "relay": 0},
+        "update_bytes": {"statistics": 0, "gather": 0, "relay": 0, "blocks": 0},
         "plain_bytes": {"gather": 0},
         "mib_per_step": 0.0,
     }

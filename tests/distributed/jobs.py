@@ -151,6 +151,24 @@ CASES_W2 = {
     "fsdp_graft_accumulate": Case({**IKFAC, "graft": "adamw"}, "fsdp_accumulate"),
     "fsdp_tied": Case(DENSE, "fsdp", model="tied"),
     "fsdp_tied_kfac": Case(KFAC_OPTIONS, "fsdp", optimizer="kfac", model="tied"),
+    # owned factors under FSDP2 (before 2026-12-05: a ValueError): every rank's
+    # block of Γ to the layer's owner, its block of Δ back (`owner_blocks`)
+    "fsdp_owned": Case(SPARSE, "fsdp", "owned"),
+    "fsdp_owned_dense": Case(DENSE, "fsdp", "owned"),
+    "fsdp_owned_ikfac": Case(IKFAC, "fsdp", "owned"),
+    "fsdp_owned_kfac": Case(KFAC_OPTIONS, "fsdp", "owned", optimizer="kfac"),
+    "fsdp_owned_accumulate": Case(SPARSE, "fsdp_accumulate", "owned"),
+    "fsdp_owned_norm": Case(SPARSE, "fsdp", "owned", model="norm"),
+    "fsdp_owned_block": Case(DENSE, "fsdp", "owned", model="block"),
+    "fsdp_owned_attention": Case(DENSE, "fsdp", "owned", model="attention"),
+    "fsdp_owned_embed": Case(DENSE, "fsdp", "owned", model="embed"),
+    "fsdp_owned_embed_ikfac": Case(IKFAC, "fsdp", "owned", model="embed"),
+    "fsdp_owned_tied": Case(DENSE, "fsdp", "owned", model="tied"),
+    "fsdp_owned_tied_kfac": Case(
+        KFAC_OPTIONS, "fsdp", "owned", optimizer="kfac", model="tied"
+    ),
+    "fsdp_owned_conv1d": Case(DENSE, "fsdp", "owned", model="conv1d"),
+    "fsdp_owned_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", "owned"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -176,6 +194,10 @@ CASES_W3 = {
     # Linear 48→2 on 3 ranks: an empty shard takes part in the norms' sum
     "fsdp_two_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", model="two"),
     "fsdp_attention_graft": Case({**DENSE, "graft": "sgd"}, "fsdp", model="attention"),
+    # owned factors under FSDP2: an empty shard, uneven columns, two idle ranks
+    "fsdp_two_owned": Case(SPARSE, "fsdp", "owned", model="two"),
+    "fsdp_conv1d_owned": Case(DENSE, "fsdp", "owned", model="conv1d"),
+    "fsdp_tied_owned": Case(IKFAC, "fsdp", "owned", model="tied"),
 }
 GRAFT_LATER = Case(SPARSE, "fsdp")
 RESUME_AT = 3
@@ -269,6 +291,11 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         _resume(results, out, case, f"fsdp-{model}", files=False)
     # EKFAC's eigenbases and eigenvalues (replicated) beside sharded momenta
     _resume(results, out, replace(FSDP_EKFAC, model="tied"), "fsdp-ekfac", False)
+    for model in ("three", "conv1d"):  # owned factors: Γ's blocks to the owners
+        case = Case(DENSE, "fsdp", "owned", model=model)
+        _resume(results, out, case, f"fsdp-owned-{model}", files=False)
+    for saved, loaded in (("shard", "owned"), ("owned", "replicate")):
+        _cross_dcp(results, saved, loaded)
     for model in ("three", "embed"):  # grafting's moments as Γ's rows, columns
         case = Case({**SPARSE, "graft": "adamw"}, "fsdp", model=model)
         _resume(results, out, case, f"fsdp-graft-{model}", files=False)
@@ -296,6 +323,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         results[f"bfloat16/{distribute}"] = params(train(case)[0])
     settings = [Setting("cnn", "diagonal", 1, name) for name in STRATEGIES]
     results["bench"] = measure_distributed(settings, 1, 1, 0)
+    settings = [Setting("cnn", "dense", 1, name, fsdp=True) for name in STRATEGIES]
+    results["bench_fsdp"] = measure_distributed(settings, 1, 1, 0)
 
 
 def train_w3(results: dict[str, Any], out: Path) -> None:
@@ -420,6 +449,19 @@ def _cross(results: dict, out: Path, saved_under: str, loaded_under: str) -> Non
     )[0]
 
 
+def _cross_dcp(results: dict, saved_under: str, loaded_under: str) -> None:
+    """Save through DCP under FSDP2 with one strategy, resume with another."""
+    saved = _checkpoint(Case(DENSE, "fsdp", saved_under), Path(), "", files=False)
+    results[f"cross/fsdp/{saved_under}"] = saved["params"]
+    results[f"cross/fsdp/{saved_under}->{loaded_under}"] = _continue(
+        Case(DENSE, "fsdp", loaded_under),
+        saved["model"],
+        lambda net, opt: set_optimizer_state_dict(
+            net, opt, optim_state_dict=saved["dcp"]
+        ),
+    )[0]
+
+
 # ---------------------------------------------------------------------- bytes
 def _bytes(results: dict[str, Any]) -> None:
     """Record the floating-point collectives of an update and a plain step."""
@@ -432,6 +474,9 @@ def _bytes(results: dict[str, Any]) -> None:
         ("factors", Case(SPARSE, distribute="factors")),
         # the embedding's one-hot side and IKFAC's diagonal sides: their diagonals
         ("owned_embed", Case(IKFAC, distribute="owned", model="embed")),
+        # FSDP2's blocks of Γ to their owners and of Δ back (`owner_blocks`)
+        ("fsdp_owned", Case(SPARSE, "fsdp", "owned")),
+        ("fsdp_owned_conv1d", Case({**DENSE, "T": 2}, "fsdp", "owned", model="conv1d")),
     ):
         model = build_model(case.model)
         net = wrap(case, model)
@@ -583,12 +628,9 @@ def misuse(results: dict[str, Any], out: Path) -> None:
     results["misuse/not_held"] = [
         _error(partial(optimizer.preconditioner, layer)) for layer in optimizer.layers
     ]
-    results["misuse/fsdp_owned"] = _error(
-        lambda: train(Case(SPARSE, "fsdp", "owned"), steps=1)
-    )
     alone, _ = dist.new_subgroups(group_size=1)  # each rank a group of its own
     everyone = dist.new_group(list(range(dist.get_world_size())))
-    for distribute in ("replicate", "shard"):
+    for distribute in ("replicate", "shard", "owned"):
         for label, group in {"subgroup": alone, "all": everyone}.items():
             results[f"misuse/ddp_{label}/{distribute}"] = _error(
                 partial(_ddp_over, group, distribute)

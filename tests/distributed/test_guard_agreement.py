@@ -32,6 +32,7 @@ from tests.distributed.harness import params, spawn, step_recording_warnings
 pytestmark = pytest.mark.slow
 BATCH, STEPS, BAD_FACTORS, BAD_LR = 8, 5, 4, 2  # steps with events (0-based)
 STRATEGIES = {"replicate": "replicate", "shard": "shard", "owned": "owned"}
+OWNED = Shard(factors="owned")
 
 
 def _model() -> nn.Sequential:
@@ -51,7 +52,7 @@ def _train(distribute: Any, world: int, rank: int) -> dict[str, Any]:
     model = _model()
     net = DistributedDataParallel(model) if world > 1 else model
     if distribute == "owned":
-        distribute = Shard(factors="owned")
+        distribute = OWNED
     opt = SINGD(net, lr=1e-3, momentum=0.5, T=1, lr_cov=0.1, distribute=distribute)
     messages = []
     for step in range(STEPS):
@@ -74,7 +75,7 @@ def _train(distribute: Any, world: int, rank: int) -> dict[str, Any]:
     }
 
 
-def _fsdp(results: dict[str, Any]) -> None:
+def _fsdp(results: dict[str, Any], name: str, distribute: Any) -> None:
     """One Linear(4, 4) on 2 ranks: rows 0-1 on rank 0, rows 2-3 on rank 1."""
     from torch.distributed.fsdp import fully_shard
 
@@ -82,7 +83,9 @@ def _fsdp(results: dict[str, Any]) -> None:
     model = nn.Sequential(nn.Linear(4, 4, bias=False))
     fully_shard(model[0])
     fully_shard(model)
-    opt = SINGD(model, lr=1e-3, momentum=0.0, T=1, weight_decay=0.1)
+    opt = SINGD(
+        model, lr=1e-3, momentum=0.0, T=1, weight_decay=0.1, distribute=distribute
+    )
     X = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         Y = model(X).detach()  # rows 2-3: no residual, no gradient
@@ -92,11 +95,11 @@ def _fsdp(results: dict[str, Any]) -> None:
     opt.zero_grad()
     mse_loss(model(X), Y).backward()
     messages = step_recording_warnings(opt)
-    results["fsdp/unchanged"] = all(
+    results[f"fsdp/{name}/unchanged"] = all(
         torch.equal(a, b) for a, b in zip(before, params(model), strict=True)
     )
-    results["fsdp/messages"] = messages
-    results["fsdp/skipped"] = opt.skipped_steps
+    results[f"fsdp/{name}/messages"] = messages
+    results[f"fsdp/{name}/skipped"] = opt.skipped_steps
 
 
 def _owner_overflow(distribute: Any, world: int, rank: int) -> dict[str, Any]:
@@ -132,9 +135,11 @@ def agreement(results: dict[str, Any], out: Path) -> None:
     for name, distribute in STRATEGIES.items():
         results[name] = _train(distribute, world, rank)
     for name in ("shard", "owned"):
-        distribute = Shard(factors="owned") if name == "owned" else name
+        distribute = OWNED if name == "owned" else name
         results[f"overflow/{name}"] = _owner_overflow(distribute, world, rank)
-    _fsdp(results)
+    # every rank its rows; the owner all rows, each rank applying its own
+    for name, distribute in (("replicate", "replicate"), ("owned", OWNED)):
+        _fsdp(results, name, distribute)
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +169,16 @@ def test_every_rank_applies_counts_and_reports_the_same_events(
             torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["replicate", "owned"])
 def test_fsdp_ranks_agree_on_a_layer_whose_rows_overflow_on_one_rank(
-    ranks: list[dict[str, Any]],
+    ranks: list[dict[str, Any]], name: str
 ) -> None:
     for result in ranks:
-        assert result["fsdp/unchanged"]
-        assert result["fsdp/skipped"] == 1
-        assert len(result["fsdp/messages"]) == 1
-        assert "skipped the update of layer '0'" in result["fsdp/messages"][0]
+        assert result[f"fsdp/{name}/unchanged"]
+        assert result[f"fsdp/{name}/skipped"] == 1
+        messages = result[f"fsdp/{name}/messages"]
+        assert len(messages) == 1
+        assert "skipped the update of layer '0'" in messages[0]
 
 
 @pytest.mark.parametrize("name", ["shard", "owned"])

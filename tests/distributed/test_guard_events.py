@@ -1,16 +1,17 @@
 """Guard events in every distribution mode, against one process (2 gloo processes).
 
-Each mode (`replicate`, `shard`, the owned form, `share="factors"`) meets each
-event once, on the test models with and without fallback parameters and on
-several structures: an infinite input (the step is skipped), `lr_cov = 50`
-(the trust region limits the factor steps), inputs and a loss scaled by 1e100
-(factor updates overflow; the statistics formed from them overflow at the next
-step), `lr = 1e308` (the parameter steps overflow) and, for KFAC, `damping =
-0` with an input channel that is always zero (singular damped factors). The
-ranks must count, report and take what one process on the whole batch does: the
-same skipped steps, discarded updates and warnings, and parameters within
-1e-10. (A sweep of 816 such configurations found the owned form stepping where
-one process skipped; this is its sample in CI.)
+Each mode (`replicate`, `shard`, the owned form, `share="factors"`; the owned
+form also under FSDP2) meets each event once, on the test models with and
+without fallback parameters and on several structures: an infinite input (the
+step is skipped), `lr_cov = 50` (the trust region limits the factor steps),
+inputs and a loss scaled by 1e100 (factor updates overflow; the statistics
+formed from them overflow at the next step), `lr = 1e308` (the parameter steps
+overflow) and, for KFAC, `damping = 0` with an input channel that is always
+zero (singular damped factors). The ranks must count, report and take what one
+process on the whole batch does: the same skipped steps, discarded updates and
+warnings, and parameters within 1e-10. (A sweep of 816 such configurations
+found the owned form stepping where one process skipped; this is its sample in
+CI.)
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _cases() -> dict[str, tuple[Case, str]]:
         # these few examples would be nearly singular, their steps huge but finite
         diagonal = replace(kfac, options={**kfac.options, "max_dense_dim": 8})
         cases[f"{mode}-singular-kfac"] = (diagonal, "singular")
+    for name, (case, event) in list(cases.items()):  # owned factors under FSDP2
+        if name.startswith("owned-"):
+            cases[f"fsdp_{name}"] = (replace(case, wrap="fsdp"), event)
     return cases
 
 

@@ -226,7 +226,17 @@ def test_the_plans_cover_split_layers_both_anchors_and_idle_ranks(
 
 
 @pytest.mark.parametrize(
-    "name", ["owned_dense", "owned_sparse", "owned_kfac", "embed_owned", "tied_owned"]
+    "name",
+    [
+        "owned_dense",
+        "owned_sparse",
+        "owned_kfac",
+        "embed_owned",
+        "tied_owned",
+        "fsdp_owned_dense",
+        "fsdp_owned_conv1d",
+        "fsdp_owned_tied",
+    ],
 )
 def test_owned_factors_live_on_exactly_one_rank(w2: list[dict], name: str) -> None:
     held = [result[f"held/{name}"] for result in w2]
@@ -261,6 +271,8 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp-ekfac",
         "fsdp-graft-three",
         "fsdp-graft-embed",
+        "fsdp-owned-three",
+        "fsdp-owned-conv1d",
         "shard-relay",
         "owned-helper",
         "shard-tied",
@@ -291,6 +303,18 @@ def test_checkpoints_load_across_strategies(
 ) -> None:
     for result in w2:
         _assert_close(result[f"cross/{saved}->{loaded}"], result[f"cross/{saved}"])
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [("shard", "owned"), ("owned", "replicate")]
+)
+def test_fsdp2_checkpoints_load_across_strategies(
+    w2: list[dict], saved: str, loaded: str
+) -> None:
+    """DCP's sharded save under one strategy resumes under another."""
+    for result in w2:
+        expected = result[f"cross/fsdp/{saved}"]
+        _assert_close(result[f"cross/fsdp/{saved}->{loaded}"], expected)
 
 
 # ------------------------------------------------------------------------ bytes
@@ -406,6 +430,23 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
         assert update["gather"] >= plain["gather"] > 0
 
 
+@pytest.mark.parametrize("name", ["fsdp_owned", "fsdp_owned_conv1d"])
+def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
+    w2: list[dict], name: str
+) -> None:
+    """Owned factors under FSDP2: two all-to-alls every step (Γ's blocks to the
+    owners, Δ's back), all ranks' messages as `bytes_per_step` counts them, and
+    no gather of directions."""
+    for step in (0, 1):
+        reported = w2[0][f"bytes/{name}/{step}/reported"]
+        exchanges = [result[f"bytes/{name}/{step}"]["all_to_all"] for result in w2]
+        # on update steps the statistics' all-to-all to the owners comes first
+        assert all(len(sent) == 2 + (step == 0) for sent in exchanges)
+        assert sum(sum(sent[-2:]) for sent in exchanges) == reported["blocks"] > 0
+        assert reported["gather"] == 0
+        assert all(not result[f"bytes/{name}/{step}"]["all_gather"] for result in w2)
+
+
 def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> None:
     records = w2[0]["bench"]
     assert [r["strategy"] for r in records] == list(STRATEGIES)
@@ -421,6 +462,21 @@ def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> No
     assert replicate["plain_bytes"]["gather"] == 0 < shard["plain_bytes"]["gather"]
     table = markdown_table(records)
     assert table.count("\n") == len(records) + 1 and "| cnn | 1 | shard |" in table
+
+
+def test_the_distributed_benchmark_shards_with_fsdp2(w2: list[dict]) -> None:
+    """`bench --distributed --fsdp`: the owned form sends the gradients' blocks
+    to their owners instead of gathering the directions, and keeps its share of
+    the factors."""
+    records = w2[0]["bench_fsdp"]
+    assert [r["strategy"] for r in records] == list(STRATEGIES)
+    replicate, shard, _, owned = records
+    assert owned["factor_mib"] < shard["factor_mib"] <= replicate["factor_mib"]
+    for step in ("update_bytes", "plain_bytes"):
+        assert owned[step]["blocks"] > 0 and owned[step]["gather"] == 0
+        assert shard[step]["blocks"] == replicate[step]["blocks"] == 0
+        assert replicate[step]["gather"] > 0  # (each rank's rows of Γ P_K)
+    assert "| blocks MiB/step |" in markdown_table(records)
 
 
 # ----------------------------------------------------------------------- misuse
@@ -495,7 +551,7 @@ def test_owned_factors_are_asked_of_their_owner(misuse: list[dict]) -> None:
         assert len(errors) == 1 and re.search("live on rank", errors[0])
 
 
-@pytest.mark.parametrize("distribute", ["replicate", "shard"])
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
 def test_data_parallelism_over_a_subgroup_raises(
     misuse: list[dict], distribute: str
 ) -> None:
@@ -512,7 +568,7 @@ def test_data_parallelism_over_a_subgroup_raises(
         assert result[f"misuse/ddp_all/{distribute}"] == "no error"
 
 
-@pytest.mark.parametrize("distribute", ["replicate", "shard"])
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
 def test_fsdp_shards_that_are_not_rows_or_columns_raise(
     misuse: list[dict], distribute: str
 ) -> None:
@@ -527,7 +583,7 @@ def test_fsdp_shards_that_are_not_rows_or_columns_raise(
         assert "neither rows nor columns of Γ" in own
 
 
-@pytest.mark.parametrize("distribute", ["replicate", "shard"])
+@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
 def test_grafting_on_conv1d_shards_under_fsdp_raises(
     misuse: list[dict], distribute: str
 ) -> None:
@@ -545,11 +601,6 @@ def test_grafting_switched_on_later_under_fsdp(w2: list[dict]) -> None:
     expected = train_graft_later(single)
     for result in w2:
         _assert_close(result["graft_later"], expected)
-
-
-def test_owned_factors_under_fsdp_raise(misuse: list[dict]) -> None:
-    for result in misuse:
-        assert re.search("cannot precondition FSDP2", result["misuse/fsdp_owned"])
 
 
 # --------------------------------------------------------------- buffers

@@ -183,6 +183,7 @@ def test_one_process_sends_nothing() -> None:
         "statistics": 0,
         "gather": 0,
         "relay": 0,
+        "blocks": 0,
         "checks": 0,
     }
 
@@ -202,6 +203,7 @@ def test_bytes_per_step_of_shard_on_two_ranks() -> None:
         "statistics": 0,
         "gather": 2 * max(shares) * 8,
         "relay": 0,  # (diagonal factors: no layer is split)
+        "blocks": 0,  # (no FSDP2 shards)
         # the step check alone: every rank's configuration checksum, step count
         # and options' fingerprint, padded to the summary's 6 + 2P per layer
         "checks": (3 * 2 + 2 * (6 + 2 * 2)) * 8,

@@ -7,8 +7,9 @@ the owner projects each orientation of a tied weight (before 2026-12-02 Llama
 failed in the backward pass and GPT-2 raised a `ValueError` there). timm's ViT
 and torchvision's Swin under FSDP2 with a unit per block (before 2026-12-04 the
 layers inside the units, and those in the root's, got no statistics), and the
-language models so (before 2026-12-04 their embeddings and GPT-2's `Conv1D`
-layers, FSDP2's column shards of `Γ`, raised a `ValueError`).
+language models so, with factors replicated and owned (before 2026-12-04 their
+embeddings and GPT-2's `Conv1D` layers, FSDP2's column shards of `Γ`, raised a
+`ValueError`; owned factors under FSDP2 did before 2026-12-05).
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ def test_two_ranks_equal_one_process(
     assert min(moved) > 0 and max(moved) > 1e-3  # every parameter trains
 
 
-@pytest.mark.parametrize("name", VISION_MODELS + FSDP_LANGUAGE_MODELS)
+@pytest.mark.parametrize(
+    "name",
+    list(VISION_MODELS)
+    + [f"{name}/{form}" for name in FSDP_LANGUAGE_MODELS for form in STRATEGIES],
+)
 def test_fsdp2_blocks_equal_one_process(w2: list[dict[str, Any]], name: str) -> None:
-    if name in FSDP_LANGUAGE_MODELS:
-        expected = train_language_model(name, "replicate")
-        initial = train_language_model(name, "replicate", steps=0)
+    model = name.split("/")[0]
+    if model in FSDP_LANGUAGE_MODELS:
+        expected = train_language_model(model, "replicate")
+        initial = train_language_model(model, "replicate", steps=0)
     else:
         expected, initial = train_vision_model(name), train_vision_model(name, steps=0)
     for result in w2:
-        actual = result[f"{name}/fsdp"]
+        actual = result[f"{model}/fsdp" + name.removeprefix(model)]
         assert len(actual) == len(expected) == len(initial)
         for p, q in zip(actual, expected, strict=True):
             assert (p - q).abs().max() <= 1e-10 * max(1.0, q.abs().max().item())

@@ -3,8 +3,10 @@
 Start it with `torchrun --nproc_per_node 2 -m singd_curvlinops bench
 --distributed` (gloo, CPU; one torch thread per process unless `--threads` says
 otherwise). Every process builds the same seeded workload
-(`bench.workloads`), wraps the model in `DistributedDataParallel` and trains on
-its share of the fixed batch (split evenly), so the global batch is the
+(`bench.workloads`), wraps the model in `DistributedDataParallel` (with
+`--fsdp`: shards it with FSDP2, `fully_shard` on every module that holds
+parameters, then on the root) and trains on its share of the fixed batch (split
+evenly), so the global batch is the
 single-process benchmark's. Every configuration (model, structure, `T`,
 strategy) trains its own copy of the model; all are warmed up, then timed in
 blocks of consecutive steps, round-robin over the configurations. Before each
@@ -57,12 +59,14 @@ class Setting:
         structure: Structure of both factors.
         T: Factor update interval.
         strategy: A label of `STRATEGIES`.
+        fsdp: Whether FSDP2 shards the model (else DDP wraps it).
     """
 
     model: str
     structure: str
     T: int
     strategy: str
+    fsdp: bool = False
 
 
 def _largest(value: float) -> float:
@@ -114,7 +118,8 @@ def _build(
         rank * len(workload.inputs) // world, (rank + 1) * len(workload.inputs) // world
     )
     inputs, targets = workload.inputs[share], workload.targets[share]
-    model = DistributedDataParallel(copy.deepcopy(workload.model))
+    model = copy.deepcopy(workload.model)
+    model = sharded(model) if setting.fsdp else DistributedDataParallel(model)
     optimizer = SINGD(
         model,
         T=setting.T,
@@ -125,6 +130,23 @@ def _build(
     )
     rows = statistics_rows(optimizer, model, inputs)
     return optimizer, lambda: train_step(model, optimizer, inputs, targets), rows
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    """Shard a model with FSDP2: a unit per module that holds parameters, the root.
+
+    Args:
+        model: The model.
+
+    Returns:
+        It, sharded in place.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if module is not model and next(module.parameters(False), None) is not None:
+            fully_shard(module)
+    return fully_shard(model)
 
 
 def statistics_rows(optimizer: SINGD, model: nn.Module, inputs: Tensor) -> dict:
@@ -306,6 +328,7 @@ _HEADER = (
     "statistics MiB/update",
     "gathered MiB update / other",
     "relay MiB/step",
+    "blocks MiB/step",
     "MiB/step",
 )
 
@@ -319,7 +342,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     Returns:
         The table: one row per setting.
     """
-    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 10 + "|"]
+    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 11 + "|"]
     for r in records:
         times = r["block_ms_per_step"]
         update, plain = r["update_bytes"], r["plain_bytes"]
@@ -336,6 +359,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             f"{update['statistics'] / MIB:.2f}",
             f"{update['gather'] / MIB:.2f} / {plain['gather'] / MIB:.2f}",
             f"{update['relay'] / MIB:.2f}",
+            f"{update['blocks'] / MIB:.2f}",
             f"{r['mib_per_step']:.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -359,7 +383,7 @@ def run_distributed_bench(args: Any) -> int:
 
     Args:
         args: The parsed command line (`models`, `structures`, `T`, `rounds`,
-            `steps_per_block`, `warmup`, `threads`, `json`).
+            `steps_per_block`, `warmup`, `threads`, `fsdp`, `json`).
 
     Returns:
         Exit code 0 (rank 0 prints the table and writes the JSON file).
@@ -368,7 +392,7 @@ def run_distributed_bench(args: Any) -> int:
         dist.init_process_group("gloo")  # torchrun sets rank, world size, address
     torch.set_num_threads(args.threads or 1)
     settings = [
-        Setting(model, structure, T, strategy)
+        Setting(model, structure, T, strategy, args.fsdp)
         for model in args.models
         for structure in args.structures or ["dense"]
         for T in args.T
@@ -397,10 +421,15 @@ def preamble(args: Any) -> str:
     Returns:
         One paragraph of Markdown.
     """
+    wrapper = "DistributedDataParallel"
+    gradients = "DDP's gradient all-reduce"
+    if args.fsdp:
+        wrapper = "FSDP2 (a unit per module with parameters, and the root)"
+        gradients = "FSDP2's parameter all-gathers and gradient reduce-scatters"
     return (
         f"torch {torch.__version__}, float32, CPU, gloo, {dist.get_world_size()} "
         f"processes with {torch.get_num_threads()} torch thread(s) each, "
-        "DistributedDataParallel, each process on its share of the batch; median "
+        f"{wrapper}, each process on its share of the batch; median "
         f"(and fastest–slowest) of {args.rounds} blocks of {args.steps_per_block} "
         f"steps of the slowest process, {args.warmup} warm-up steps, all settings "
         "interleaved. `× replicate`: the ratio of the medians; `paired`: the "
@@ -412,6 +441,8 @@ def preamble(args: Any) -> str:
         "all_gather(s) of an update step and of "
         "another step (what every process receives); `relay`: the point-to-point "
         "half products (and a helper's factors) of split layers, every step, all "
-        "processes' messages together; `MiB/step`: all of it averaged over T "
-        "steps, without DDP's gradient all-reduce."
+        "processes' messages together; `blocks`: FSDP2's blocks of the gradients "
+        "to their owners and of the directions back under owned factors, every "
+        "step, all processes' messages together; `MiB/step`: all of it averaged "
+        f"over T steps, without {gradients}."
     )

@@ -64,6 +64,7 @@ from functools import lru_cache
 
 import torch
 
+from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, SINGDRule
 from singd_curvlinops.rules.singd import caches_for_one_use
@@ -390,7 +391,8 @@ def assign_layers(
         owned: Whether only owners keep factors (`Shard(factors="owned")`): sides
             are not split, SINGD's layers may get a helper for a dense side that
             is not the anchor, and SINGD may split a dense \(K\) by column
-            blocks.
+            blocks (not an FSDP2 shard's: its owner gathers \(\Gamma\),
+            `owner_blocks`).
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
 
@@ -403,16 +405,21 @@ def assign_layers(
         group = layer.options(groups[layer.group_index])
         structures = rule.structures(group)
         cost = layer_cost(structures, layer.dims, group["T"], splits)
+        whole = is_sharded(layer)  # (FSDP2's Γ is gathered to one owner)
         if owned and type(rule) is SINGDRule:  # a helper for a dense other side
             other = structures[1 - cost.anchor] == "dense"
-            cost = replace(cost, splittable=other and not share_factors)
+            cost = replace(cost, splittable=other and not share_factors and not whole)
         if share_factors:
             cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
         costs.append(cost)
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
         dense_K = structures[0] == "dense"  # (a tied layer's twin: not split)
         columns.append(
-            owned and type(rule) is SINGDRule and dense_K and layer.twin is None
+            owned
+            and type(rule) is SINGDRule
+            and dense_K
+            and layer.twin is None
+            and not whole
         )
     plan = assign(costs, world, entries, columns, helpers=owned)
     return dict(zip(layers, plan, strict=True))

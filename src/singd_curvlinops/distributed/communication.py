@@ -18,6 +18,11 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
   one other (all ranks' messages together).
+- **blocks**: under `Shard(factors="owned")`, FSDP2 shards go to their owner
+  and come back (`owner_blocks`): per such layer and step every rank sends its
+  padded block of \(\Gamma\) and a flag to the owner, and the owner sends
+  every rank its block of \(\Delta\) and a flag, in two `all_to_all`s; all
+  ranks' messages together (those a rank sends itself included).
 - **checks**: the configuration check (once), not counted; the step check of
   `Shard` (`collectives.StepCheck`: \(3P\) float64 numbers per step, the
   ranks' configuration checksums, step counts and options' fingerprints), at
@@ -57,13 +62,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
-from singd_curvlinops.distributed import collectives
+from singd_curvlinops.distributed import collectives, step_layout
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_shards, is_sharded, local
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
+from singd_curvlinops.distributed.owner_blocks import block_numel
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.raw_gram import kept_structures
 from singd_curvlinops.distributed.shard import Shard
@@ -188,9 +194,9 @@ def bytes_per_step(
         rows: The statistics rows per process (see `bytes_per_update`).
 
     Returns:
-        `{"statistics": ..., "gather": ..., "relay": ..., "checks": ...}` in
-        bytes; the gathered buffer as every rank receives it, the relay's
-        messages of all ranks together.
+        `{"statistics": ..., "gather": ..., "relay": ..., "blocks": ...,
+        "checks": ...}` in bytes; the gathered buffer as every rank receives
+        it, the relay's and the blocks' messages of all ranks together.
     """
     strategy = optimizer.distribution
     world = world_size or collectives.world_size()
@@ -201,7 +207,8 @@ def bytes_per_step(
     )
     sharded = any_shards(optimizer.layers, optimizer.fallback_params)
     if world == 1 or not (isinstance(strategy, Shard) or sharded):
-        return {"statistics": statistics, "gather": 0, "relay": 0, "checks": 0}
+        nothing = {"gather": 0, "relay": 0, "blocks": 0, "checks": 0}
+        return {"statistics": statistics, **nothing}
     if not isinstance(strategy, Shard):
         return {"statistics": statistics, **_replicated_shards(optimizer, world)}
     layers = list(optimizer.layers)
@@ -221,7 +228,7 @@ def bytes_per_step(
         share_verdicts=shared,
         world=world,
     )
-    first, layout = step.layouts(layers, [update] * len(layers))
+    first, layout = step_layout.layouts(step, layers, [update] * len(layers))
     itemsize = buffer_dtype(layers, groups).itemsize
     gathered = 0
     for items in ([first] if first else []) + [layout]:
@@ -247,10 +254,13 @@ def bytes_per_step(
     check = StepCheck.size(world)  # (`StepCheck`: alone, padded to the summary's)
     if not (update and to_owners):
         check += summary_length(len(keys), world)
+    at_owners = filter(step.at_owner, layers)  # (two messages per rank and layer)
+    blocks = sum(2 * world * block_numel(layer, world) for layer in at_owners)
     return {
         "statistics": statistics,
         "gather": gathered,
         "relay": relay,
+        "blocks": blocks * itemsize,
         "checks": 8 * check + 4 * verdicts + _graft_norm_bytes(optimizer),
     }
 
@@ -280,7 +290,7 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
         world: The number of ranks.
 
     Returns:
-        `{"gather": ..., "relay": 0, "checks": ...}` in bytes.
+        `{"gather": ..., "relay": 0, "blocks": 0, "checks": ...}` in bytes.
     """
     layers, fallback = list(optimizer.layers), optimizer.fallback_params
     stepper = SimpleNamespace(state=optimizer.state, rule=optimizer.rule)
@@ -288,14 +298,15 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
     step = GatheredStep(
         stepper, plan, share_state=False, dense_statistics=False, world=world
     )
-    _, layout = step.layouts(layers, [False] * len(layers))
+    _, layout = step_layout.layouts(step, layers, [False] * len(layers))
     largest = max(sum(item.numel for item in share) for share in layout)
     itemsize = buffer_dtype(layers, optimizer.param_groups).itemsize
     # the inputs' verdict (`verdicts.inputs_verdict`), then the shards' steps
     verdicts = 1 + sum(map(is_sharded, layers))
     verdicts += sum(isinstance(param, DTensor) for param in fallback)
     checks = 4 * verdicts + _graft_norm_bytes(optimizer)
-    return {"gather": world * largest * itemsize, "relay": 0, "checks": checks}
+    gather = world * largest * itemsize
+    return {"gather": gather, "relay": 0, "blocks": 0, "checks": checks}
 
 
 def _column_bytes(layers: list, groups: list, world: int) -> int:

@@ -10,7 +10,9 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    after its update and sends the half product point-to-point to the anchor's
    owner, which applies the anchor side; a layer sharded by FSDP2 has every
    rank precondition its rows of \(\Gamma P_K\) (its columns of
-   \(P_C \Gamma\), for column shards: see `fsdp` and `shards`); a layer whose
+   \(P_C \Gamma\), for column shards: see `fsdp` and `shards`), or, where
+   only its owner holds its factors, has its shards of \(\Gamma\) gathered
+   on the owner, which computes \(\Delta\) (`owner_blocks`); a layer whose
    \(K\) is split by column blocks has every rank compute its term of
    \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
    updated before, together, in a collective of their own: see `columns`);
@@ -18,17 +20,20 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    rows, or its terms), one flag each (0: the layer has no gradient), the step
    guard's verdicts (`StepGuard.shared_verdicts`), and the updated factors of its
    sides if they are replicated (not momenta: `FactorRule.owner_state`);
-4. **applies**: received state entries replace the local ones; every rank
-   applies the remaining side of FSDP2-sharded layers, adds up the terms of
-   column-split layers, and then applies weight decay, momentum and the
-   learning rate to every layer's \(\Delta\).
+4. **applies**: received state entries replace the local ones; the owners of
+   gathered FSDP2 shards send every rank its block of \(\Delta\) in an
+   `all_to_all`; every rank applies the remaining side of the other
+   FSDP2-sharded layers, adds up the terms of column-split layers, and then
+   applies weight decay, momentum and the learning rate to every layer's
+   \(\Delta\).
 
 Every rank applies the same gathered numbers, so the replicated parameters (and
 factors) stay bit-identical across ranks. The layout of every rank's share is
-computed on every rank from the assignment and the due layers alone. Where every
-rank preconditions with factors that owners just updated — FSDP2's rows, or
-`Shard(share="factors")` — the factors travel first, in an `all_gather` of
-their own (with `share="factors"` the only one: no directions travel).
+computed on every rank from the assignment and the due layers alone
+(`step_layout`). Where every rank preconditions with factors that owners just
+updated — FSDP2's rows, or `Shard(share="factors")` — the factors travel
+first, in an `all_gather` of their own (with `share="factors"` the only one: no
+directions travel).
 """
 
 from __future__ import annotations
@@ -39,7 +44,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from singd_curvlinops.distributed import columns, formed_statistics, shards
+from singd_curvlinops.distributed import (
+    columns,
+    formed_statistics,
+    owner_blocks,
+    shards,
+    step_layout,
+)
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
     all_gather_parts,
@@ -52,11 +63,7 @@ from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
     buffer_dtype,
-    kept_everywhere,
     owned_sides,
-    rule_keys,
-    shape_of,
-    verdicts_item,
     write_received,
 )
 from singd_curvlinops.distributed.relay import Relay
@@ -114,7 +121,7 @@ class GatheredStep:
         """
         due = [self.stepper.due(layer) for layer in layers]
         is_due = dict(zip(layers, due, strict=True))
-        split = [layer for layer in layers if self._split(layer)]
+        split = [layer for layer in layers if self.split_by_columns(layer)]
         taken = formed_statistics.take(
             self.stepper,
             [layer for layer in layers if is_due[layer] and layer not in split],
@@ -123,7 +130,9 @@ class GatheredStep:
         )
         columns.step(self.stepper, [(layer, is_due[layer]) for layer in split])
         relayed = [layer for layer in layers if self.relayed(layer)]
-        dtype = buffer_dtype(layers, self.stepper.groups) if relayed else None
+        at_owners = [layer for layer in layers if self.at_owner(layer)]
+        exchanged = relayed or at_owners
+        dtype = buffer_dtype(layers, self.stepper.groups) if exchanged else None
         self._relay = Relay(
             self.stepper, self.plan, layers, relayed, dtype, self.me, self.buffers
         )
@@ -135,46 +144,29 @@ class GatheredStep:
             self._relay.help(layer)
         self.stepper.settle_factors()  # (the guard's host numbers, before sharing)
         sharded = {layer for layer in layers if is_sharded(layer)}
-        first, layout = self.layouts(layers, due)
+        first, layout = step_layout.layouts(self, layers, due)
         if first:  # the factors first, then the preconditioning
             self._share(layers, first, {}, slot="factors")
+        exchange = (self._owner, self.me, self.world, dtype)
+        deltas, blocks = {}, {}  # FSDP2 shards under owned factors: at owners
+        if at_owners:
+            deltas = owner_blocks.precondition(self.stepper, at_owners, *exchange)
         # the relayed layers last: their half products arrive meanwhile
         ordered = sorted(layers, key=self.relayed)
-        values = {layer: self._direction(layer, layer in sharded) for layer in ordered}
+        values = {
+            layer: self._direction(layer, layer in sharded)
+            for layer in ordered
+            if layer not in at_owners
+        }
         received = self._share(layers, layout, values)
         self._relay.finish()
+        if at_owners:  # every rank its block of Δ
+            blocks = owner_blocks.from_owners(at_owners, deltas, *exchange)
         for layer in layers:
             if layer in received:
                 self._apply(layer, received[layer], layer in sharded)
-
-    def layouts(
-        self, layers: Sequence[Layer], due: list[bool]
-    ) -> tuple[list[list[Item]] | None, list[list[Item]]]:
-        """Return what every rank sends in this step's `all_gather`(s).
-
-        Args:
-            layers: The layers.
-            due: Per layer, whether its factors update.
-
-        Returns:
-            The layout of a first gather of factors (FSDP2 with owned updates,
-            or `local_directions`; else None) and of the step's gather, each
-            per rank.
-        """
-        states = [self._state_items(layers, due, r) for r in range(self.world)]
-        sharded = {layer for layer in layers if is_sharded(layer)}
-        directions = [
-            self._direction_items(layers, sharded, r) for r in range(self.world)
-        ]
-        first = None
-        if (sharded or self.local_directions) and any(states):
-            first = states  # preconditioning needs the new factors
-        else:
-            directions = [s + d for s, d in zip(states, directions, strict=True)]
-        if self.share_verdicts and layers:
-            for share in first or directions:
-                share.append(verdicts_item(due))
-        return first, directions
+            elif blocks.get(layer) is not None:
+                self.stepper.apply(layer, blocks[layer].to(local(layer.weight).dtype))
 
     # ---------------------------------------------------------------- factors
     def _update(self, layer: Layer, due: bool, statistics: Any) -> None:
@@ -211,11 +203,40 @@ class GatheredStep:
             assignment is not None
             and assignment.anchor is not None
             and not assignment.columns
-            and not self._local(layer)
+            and not self.local_work(layer)
             and not is_sharded(layer)
         )
 
-    def _split(self, layer: Layer) -> bool:
+    def at_owner(self, layer: Layer) -> bool:
+        r"""Return whether the layer's owner preconditions its gathered shards.
+
+        Args:
+            layer: The layer.
+
+        Returns:
+            Whether it is sharded by FSDP2 and only its owner holds its factors
+            (`Shard(factors="owned")`): \(\Gamma\) goes to the owner and
+            \(\Delta\)'s blocks come back (`owner_blocks`).
+        """
+        return (
+            is_sharded(layer)
+            and self.plan[layer] is not None
+            and not self.share_state
+            and not self.local_directions
+        )
+
+    def _owner(self, layer: Layer) -> int:
+        """Return the rank that preconditions a layer.
+
+        Args:
+            layer: A layer with an assignment.
+
+        Returns:
+            Its assignment's `direction_owner`.
+        """
+        return self.plan[layer].direction_owner
+
+    def split_by_columns(self, layer: Layer) -> bool:
         r"""Return whether the layer's \(K\) is split by column blocks (`columns`).
 
         Args:
@@ -227,66 +248,7 @@ class GatheredStep:
         assignment = self.plan[layer]
         return assignment is not None and assignment.columns
 
-    def _state_items(self, layers: Sequence[Layer], due: list[bool], r: int) -> list:
-        """Return the state entries rank `r` sends (of the sides it updated).
-
-        Entries that only their owner keeps (`FactorRule.owner_state`) stay.
-
-        Args:
-            layers: The layers.
-            due: Per layer, whether it updated.
-            r: The rank.
-
-        Returns:
-            Its `Item`s.
-        """
-        if not self.share_state:
-            return []
-        rule, items = self.stepper.rule, []
-        for layer, is_due in zip(layers, due, strict=True):
-            assignment = self.plan[layer]
-            sides = owned_sides(assignment, r)
-            if not is_due or assignment is None or not sides:
-                continue
-            state = self.stepper.state[layer.weight]
-            keys = rule_keys(state, rule, sides if rule.splits_sides else None)
-            shared = [key for key in keys if kept_everywhere(key, rule, owned=False)]
-            items += [Item(layer, "state", key, shape_of(state[key])) for key in shared]
-        return items
-
     # ------------------------------------------------------------- directions
-    def _direction_items(
-        self, layers: Sequence[Layer], sharded: set[Layer], r: int
-    ) -> list[Item]:
-        """Return the (half-)preconditioned gradients rank `r` sends.
-
-        Args:
-            layers: The layers.
-            sharded: The FSDP2-sharded layers.
-            r: The rank.
-
-        Returns:
-            Its `Item`s, each direction followed by its flag.
-        """
-        items = []
-        for layer in layers:
-            d_K, d_C = layer.dims
-            if layer in sharded:
-                shape = shards.share_shape(layer, self.world)
-                if shape is None:  # (finished by each rank alone)
-                    continue
-            elif self._split(layer):  # every rank sends its term of the sum
-                shape = (d_C, d_K)
-            elif self._local(layer) or self.plan[layer].direction_owner != r:
-                continue
-            else:
-                shape = (d_C, d_K)
-            items += [
-                Item(layer, "direction", "", shape),
-                Item(layer, "flag", "", (1,)),
-            ]
-        return items
-
     def _direction(self, layer: Layer, sharded: bool) -> Tensor | None:
         """Compute this rank's (half-)preconditioned gradient of a layer.
 
@@ -299,12 +261,12 @@ class GatheredStep:
         Returns:
             What this rank sends for the layer (None: nothing or no gradient).
         """
-        if self._split(layer):
+        if self.split_by_columns(layer):
             grad = self.stepper.gradient(layer)
             if grad is None:
                 return None
             return columns.partial_direction(self.stepper, layer, grad)
-        assignment, local_work = self.plan[layer], self._local(layer)
+        assignment, local_work = self.plan[layer], self.local_work(layer)
         mine = sharded or local_work or assignment.direction_owner == self.me
         grad = self.stepper.gradient(layer) if mine else None
         if grad is None:
@@ -325,7 +287,7 @@ class GatheredStep:
             return None
         return record.apply(grad, overwrite=True)
 
-    def _local(self, layer: Layer) -> bool:
+    def local_work(self, layer: Layer) -> bool:
         """Return whether every rank preconditions the layer itself.
 
         Args:
@@ -430,7 +392,7 @@ class GatheredStep:
             sharded: Whether the layer is sharded by FSDP2.
         """
         weight = local(layer.weight)
-        if self._split(layer):
+        if self.split_by_columns(layer):
             terms = [parts[r][0] for r in range(self.world) if parts[r][1]]
             if terms:
                 direction = columns.finish_direction(self.stepper, layer, terms)

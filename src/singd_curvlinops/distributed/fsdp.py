@@ -15,9 +15,10 @@ P_K\) mixes the rows only through \(P_C\): each rank computes its rows of
 `all_gather` per step brings the full \(Y\) of every layer to every rank, and each
 rank applies \(P_C\) and keeps its rows of \(\Delta\). The alternative — gather
 \(\Gamma\) to an owner, precondition there, scatter \(\Delta\) back — takes two
-collectives per step and leaves all other ranks idle during the product. The
-price of the row scheme is that every rank holds every factor and applies every
-output side.
+collectives per step and leaves the other ranks to the work of the layers they
+own; it is what `Shard(factors="owned")` does (`owner_blocks`), where no other
+rank holds the factors. The price of the row scheme is that every rank holds
+every factor and applies every output side.
 
 **Column shards** (weights stored transposed, `[d_in, d_out]`: `nn.Embedding`'s
 table, Hugging Face's `Conv1D`). Rank \(r\) holds columns of \(\Gamma\), and the

@@ -10,8 +10,9 @@ rank — a collective: call it on every rank. With `factors="owned"` only the
 owner keeps a layer's factors (and projects the raw rows: `raw_gram`); layers
 are not split by sides, but a SINGD layer whose dense \(K\) dominates the
 factor state is split by column blocks, and one that dominates the work gets a
-helper (`relay`). `Shard(factors="owned")` is not available under FSDP2 (the
-row scheme needs every factor on every rank). At every step the step's first
+helper (`relay`). Under FSDP2 an owner gathers its layers' shards of
+\(\Gamma\), preconditions them and sends each rank its block of \(\Delta\)
+(`owner_blocks`); such layers are placed whole. At every step the step's first
 all-reduce checks that the ranks are at the same step, with the same options
 and configuration (`collectives.StepCheck`): on update steps it is the
 statistics summary (`owner_statistics`).
@@ -31,7 +32,6 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.strategy import (
     DistributionStrategy,
@@ -160,19 +160,11 @@ class Shard(DistributionStrategy):
             groups: The parameter groups.
             state: The state.
             rule: The factor rule.
-
-        Raises:
-            ValueError: For `factors="owned"` with FSDP2-sharded layers.
         """
         # A transposed twin (tied weights) shares its layer's factors, owner and
         # work: its statistics go to the layer's owners, sides swapped
         # (`owner_ranks`), and are merged into them (`pending.kronecker_sum`).
         layers = [layer for layer in layers if not layer.swapped]
-        if self._owned and any(is_sharded(layer) for layer in layers):
-            raise ValueError(
-                "Shard(factors='owned') cannot precondition FSDP2 shards (every "
-                "rank needs every factor there); use 'shard' or 'replicate'."
-            )
         if self.plan:  # gather under the old owners first
             ownership.gather(state, self.plan, groups, rule, owned=self._owned)
         self.plan = self.assignments(layers, groups, rule, world_size())

@@ -40,11 +40,7 @@ def share_shape(layer: Layer, world_size: int) -> tuple[int, int] | None:
     """
     if independent_columns(layer):
         return None
-    d_K, d_C = layer.dims
-    size = chunk_size(layer, world_size)
-    if splits_columns(layer):
-        return d_C, size + split_bias(layer)
-    return size, d_K
+    return block_shape(layer, world_size)
 
 
 def half_product(layer: Layer, record: Any, grad: Tensor) -> Tensor:
@@ -96,21 +92,111 @@ def finish(
         \(P_C Y\) (\(Z P_K\)) at this rank's rows (columns, and the whole bias
         column beside them: the layout of `LayerStepper.gradient`).
     """
+    half = assemble(layer, shares)
+    full = record.shard_finish(int(splits_columns(layer)), half)
+    return own_block(layer, full, rank, len(shares), mine)
+
+
+def assemble(layer: Layer, shares: list[Tensor]) -> Tensor:
+    r"""Put every rank's padded block back together into one `[d_C, d_K]` matrix.
+
+    The blocks are rows (columns) of a matrix in the layout of \(\Gamma\): shares
+    of \(Y\) or \(Z\), or (`owner_blocks`) of \(\Gamma\) itself. With a bias
+    beside column shards each block's last column is the bias column with zeros
+    outside the sender's rows (`fsdp.column_block`), and these columns add up.
+
+    Args:
+        layer: A sharded layer.
+        shares: Per rank, its block padded to `share_shape`.
+
+    Returns:
+        A new tensor `[d_C, d_K]`.
+    """
     d_K, d_C = layer.dims
-    first = rank * chunk_size(layer, len(shares))
     if not splits_columns(layer):
-        Y = torch.cat(shares)[:d_C]
-        return record.shard_finish(0, Y)[first : first + mine]
+        return torch.cat(shares)[:d_C]
     if not split_bias(layer):
-        Z = torch.cat(shares, dim=1)[:, :d_K]
-        return record.shard_finish(1, Z)[:, first : first + mine]
-    # the weight's columns, then the sum of the ranks' bias columns (`fsdp`)
-    d_in = d_K - 1
+        return torch.cat(shares, dim=1)[:, :d_K]
+    d_in = d_K - 1  # the weight's columns, then the sum of the bias columns
     weight_part = torch.cat([share[:, :-1] for share in shares], dim=1)
     bias = torch.stack([share[:, -1] for share in shares], dim=1).sum(1)
-    Z = torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
-    full = record.shard_finish(1, Z)
-    return torch.cat([full[:, first : first + mine], full[:, d_in:]], dim=1)
+    return torch.cat([weight_part[:, :d_in], bias[:, None]], dim=1)
+
+
+def own_block(
+    layer: Layer, full: Tensor, rank: int, world_size: int, mine: int
+) -> Tensor:
+    r"""Return a rank's block of a `[d_C, d_K]` matrix (the layout of its gradient).
+
+    Args:
+        layer: A sharded layer.
+        full: The whole matrix (\(\Delta\)).
+        rank: The rank.
+        world_size: The number of ranks.
+        mine: The number of rows (columns) that the rank holds.
+
+    Returns:
+        Its rows, or its columns (and the whole bias column beside them, of
+        which `fsdp.block_parts` takes the rank's rows): views of `full`.
+    """
+    first = rank * chunk_size(layer, world_size)
+    if not splits_columns(layer):
+        return full[first : first + mine]
+    if not split_bias(layer):
+        return full[:, first : first + mine]
+    return torch.cat([full[:, first : first + mine], full[:, -1:]], dim=1)
+
+
+def block_shape(layer: Layer, world_size: int) -> tuple[int, int]:
+    """Return the shape that every rank's block of the layer is padded to.
+
+    Args:
+        layer: A sharded layer.
+        world_size: The number of ranks.
+
+    Returns:
+        `(c, d_K)` for row shards, `(d_C, c)` for column shards (`c + 1` with a
+        bias beside them), `c` the largest shard (`fsdp.chunk_size`).
+    """
+    d_K, d_C = layer.dims
+    size = chunk_size(layer, world_size)
+    if splits_columns(layer):
+        return d_C, size + split_bias(layer)
+    return size, d_K
+
+
+def held(layer: Layer, rank: int, world_size: int) -> int:
+    r"""Return how many rows (columns) of the layer's weight part a rank holds.
+
+    Args:
+        layer: A sharded layer.
+        rank: The rank.
+        world_size: The number of ranks.
+
+    Returns:
+        \(\max(0, \min(c, n - r c))\) of the weight's \(n\) slices along
+        dimension 0 (`torch.chunk`'s split; 0 for an empty shard).
+    """
+    size = chunk_size(layer, world_size)
+    return max(0, min(size, layer.weight.shape[0] - rank * size))
+
+
+def unpad(layer: Layer, padded: Tensor, mine: int) -> Tensor:
+    """Return a block without the padding of `pad_share`.
+
+    Args:
+        layer: A sharded layer.
+        padded: A block of `block_shape`.
+        mine: The rows (columns) that its rank holds.
+
+    Returns:
+        Its first `mine` rows (columns; and the bias column last): views.
+    """
+    if not splits_columns(layer):
+        return padded[:mine]
+    if not split_bias(layer):
+        return padded[:, :mine]
+    return torch.cat([padded[:, :mine], padded[:, -1:]], dim=1)
 
 
 def scaled_columns(

@@ -1,0 +1,127 @@
+r"""What every rank sends in the `all_gather`(s) of a `GatheredStep` (`engine`).
+
+Every rank computes every rank's layout from the step's assignment and the due
+layers alone, so the gathered buffers split the same way everywhere, and
+`communication.bytes_per_step` counts them without running a step:
+
+- **state**: the entries of the factors that an owner updated, where the
+  factors stay replicated (not the momenta: `FactorRule.owner_state`);
+- **directions**: per layer, each sending rank's (half-)preconditioned gradient
+  and a flag (0: no gradient): the owner's \(\Delta\), every rank's share of
+  an FSDP2 shard (`shards.share_shape`) or every rank's term of a layer split
+  by column blocks (`columns`); nothing for layers every rank preconditions
+  itself, and nothing for FSDP2 shards whose owner gathers them
+  (`owner_blocks`);
+- **verdicts**: the step guard's, one number each, where they ride in the
+  gather (`StepGuard.shared_verdicts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from singd_curvlinops.distributed import shards
+from singd_curvlinops.distributed.fsdp import is_sharded
+from singd_curvlinops.distributed.layout import (
+    Item,
+    kept_everywhere,
+    owned_sides,
+    rule_keys,
+    shape_of,
+    verdicts_item,
+)
+from singd_curvlinops.layers import Layer
+
+
+def layouts(
+    step: Any, layers: Sequence[Layer], due: list[bool]
+) -> tuple[list[list[Item]] | None, list[list[Item]]]:
+    """Return what every rank sends in the step's `all_gather`(s).
+
+    Args:
+        step: The `GatheredStep`.
+        layers: The layers.
+        due: Per layer, whether its factors update.
+
+    Returns:
+        The layout of a first gather of factors (FSDP2 with owned updates, or
+        `local_directions`; else None) and of the step's gather, each per rank.
+    """
+    world = range(step.world)
+    states = [state_items(step, layers, due, r) for r in world]
+    directions = [direction_items(step, layers, r) for r in world]
+    first = None
+    sharded = any(map(is_sharded, layers))
+    if (sharded or step.local_directions) and any(states):
+        first = states  # preconditioning needs the new factors
+    else:
+        directions = [s + d for s, d in zip(states, directions, strict=True)]
+    if step.share_verdicts and layers:
+        for share in first or directions:
+            share.append(verdicts_item(due))
+    return first, directions
+
+
+def state_items(
+    step: Any, layers: Sequence[Layer], due: list[bool], r: int
+) -> list[Item]:
+    """Return the state entries rank `r` sends (of the sides it updated).
+
+    Entries that only their owner keeps (`FactorRule.owner_state`) stay.
+
+    Args:
+        step: The `GatheredStep`.
+        layers: The layers.
+        due: Per layer, whether it updated.
+        r: The rank.
+
+    Returns:
+        Its `Item`s.
+    """
+    if not step.share_state:
+        return []
+    rule, items = step.stepper.rule, []
+    for layer, is_due in zip(layers, due, strict=True):
+        assignment = step.plan[layer]
+        sides = owned_sides(assignment, r)
+        if not is_due or assignment is None or not sides:
+            continue
+        state = step.stepper.state[layer.weight]
+        keys = rule_keys(state, rule, sides if rule.splits_sides else None)
+        shared = [key for key in keys if kept_everywhere(key, rule, owned=False)]
+        items += [Item(layer, "state", key, shape_of(state[key])) for key in shared]
+    return items
+
+
+def direction_items(step: Any, layers: Sequence[Layer], r: int) -> list[Item]:
+    """Return the (half-)preconditioned gradients rank `r` sends.
+
+    Args:
+        step: The `GatheredStep`.
+        layers: The layers.
+        r: The rank.
+
+    Returns:
+        Its `Item`s, each direction followed by its flag.
+    """
+    items = []
+    for layer in layers:
+        d_K, d_C = layer.dims
+        if step.at_owner(layer):  # (its blocks travel in `owner_blocks`)
+            continue
+        if is_sharded(layer):
+            shape = shards.share_shape(layer, step.world)
+            if shape is None:  # (finished by each rank alone)
+                continue
+        elif step.split_by_columns(layer):  # every rank sends its term of the sum
+            shape = (d_C, d_K)
+        elif step.local_work(layer) or step.plan[layer].direction_owner != r:
+            continue
+        else:
+            shape = (d_C, d_K)
+        items += [
+            Item(layer, "direction", "", shape),
+            Item(layer, "flag", "", (1,)),
+        ]
+    return items

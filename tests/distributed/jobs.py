@@ -317,7 +317,9 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         results[f"buffers/{distribute}"] = _buffers(distribute)
     _routed(results)
     for model in ("three", "embed", "conv1d"):  # rows, columns, a bias beside them
-        results[f"fsdp_bfloat16/{model}"] = train_mixed_precision(model)
+        for distribute in ("shard", "owned"):
+            trained = train_mixed_precision(model, distribute=distribute)
+            results[f"fsdp_bfloat16/{model}/{distribute}"] = trained
     for distribute in ("replicate", "shard", "owned"):  # the gathers' buffer dtype
         case = Case(DENSE, distribute=distribute, dtype=torch.bfloat16)
         results[f"bfloat16/{distribute}"] = params(train(case)[0])
@@ -332,7 +334,9 @@ def train_w3(results: dict[str, Any], out: Path) -> None:
     _routed(results)
 
 
-def train_mixed_precision(model_name: str, steps: int = 4) -> dict[str, Any]:
+def train_mixed_precision(
+    model_name: str, steps: int = 4, distribute: str = "shard"
+) -> dict[str, Any]:
     """Train in float32 under FSDP2 computing in bfloat16 (`MixedPrecisionPolicy`,
     the usual configuration of large models); one process: float32 throughout.
 
@@ -344,7 +348,7 @@ def train_mixed_precision(model_name: str, steps: int = 4) -> dict[str, Any]:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    case = Case(DENSE, "fsdp", model=model_name)
+    case = Case(DENSE, "fsdp", distribute, model=model_name)
     model = build_model(model_name).float()
     net = model
     if world > 1:

@@ -136,8 +136,11 @@ def test_a_layer_that_a_rank_does_not_reach_is_reduced_alike(
     assert min(moved) > 1e-3  # both heads and the body train
 
 
+@pytest.mark.parametrize("distribute", ["shard", "owned"])
 @pytest.mark.parametrize("model", ["three", "embed", "conv1d"])
-def test_fsdp2_computing_in_bfloat16_follows_float32(w2: list[dict], model: str):
+def test_fsdp2_computing_in_bfloat16_follows_float32(
+    w2: list[dict], model: str, distribute: str
+):
     """Under `MixedPrecisionPolicy(param_dtype=bfloat16)` the hooks see bfloat16
     copies of the float32 shards: every layer still gets its statistics (no
     warning), and after four steps each parameter's distance from the float32
@@ -145,7 +148,7 @@ def test_fsdp2_computing_in_bfloat16_follows_float32(w2: list[dict], model: str)
     expected = train_mixed_precision(model)
     initial = train_mixed_precision(model, steps=0)["params"]
     for result in w2:
-        actual = result[f"fsdp_bfloat16/{model}"]
+        actual = result[f"fsdp_bfloat16/{model}/{distribute}"]
         assert actual["messages"] == []
         for p, q, start in zip(
             actual["params"], expected["params"], initial, strict=True

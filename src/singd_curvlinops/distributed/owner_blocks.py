@@ -23,6 +23,7 @@ no column blocks, which would need \(\Gamma\) on several ranks).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,15 +122,14 @@ def to_owners(
         message = _message(layer, gradients[layer], world_size, dtype)
         outgoing[owner(layer)].append(message)
     template = torch.empty(0, dtype=dtype, device=local(layers[0].weight).device)
-    incoming = _exchange(outgoing, [mine] * world_size, world_size, template)
+    incoming, flags = _exchange(outgoing, [mine] * world_size, world_size, template)
     gathered: dict[Layer, Tensor | None] = {}
     for index, layer in enumerate(mine):
-        blocks = [
-            _block(layer, incoming[sender][index], world_size)
-            for sender in range(world_size)
-        ]
-        present = any(flag for _, flag in blocks)
-        gathered[layer] = assemble(layer, [b for b, _ in blocks]) if present else None
+        gathered[layer] = None
+        if any(flags[sender][index] for sender in range(world_size)):
+            blocks = [_block(layer, sent[index], world_size) for sent in incoming]
+            # (in the gradient's dtype, as the owner's own block would be)
+            gathered[layer] = assemble(layer, blocks).to(local(layer.weight).dtype)
     return gathered
 
 
@@ -170,13 +170,14 @@ def from_owners(
         [layer for layer in layers if owner(layer) == r] for r in range(world_size)
     ]
     template = torch.empty(0, dtype=dtype, device=local(layers[0].weight).device)
-    incoming = _exchange(outgoing, sources, world_size, template)
+    incoming, flags = _exchange(outgoing, sources, world_size, template)
     received: dict[Layer, Tensor | None] = {}
     for sender, sent in enumerate(sources):
         for index, layer in enumerate(sent):
-            padded, present = _block(layer, incoming[sender][index], world_size)
-            rows = local(layer.weight).shape[0]
-            received[layer] = unpad(layer, padded, rows) if present else None
+            received[layer] = None
+            if flags[sender][index]:
+                padded = _block(layer, incoming[sender][index], world_size)
+                received[layer] = unpad(layer, padded, local(layer.weight).shape[0])
     return received
 
 
@@ -203,8 +204,8 @@ def _message(
     return message
 
 
-def _block(layer: Layer, message: Tensor, world_size: int) -> tuple[Tensor, bool]:
-    """Split a received message into its padded block and its flag.
+def _block(layer: Layer, message: Tensor, world_size: int) -> Tensor:
+    """Return a received message's padded block.
 
     Args:
         layer: The layer.
@@ -212,10 +213,9 @@ def _block(layer: Layer, message: Tensor, world_size: int) -> tuple[Tensor, bool
         world_size: The number of ranks.
 
     Returns:
-        The block (a view, in `block_shape`) and whether it was sent with data.
+        The block: a view, in `block_shape` (the flag, last, left out).
     """
-    block = message[:-1].view(block_shape(layer, world_size))
-    return block, bool(message[-1] > 0.5)
+    return message[:-1].view(block_shape(layer, world_size))
 
 
 def _exchange(
@@ -223,7 +223,7 @@ def _exchange(
     sources: list[list[Layer]],
     world_size: int,
     template: Tensor,
-) -> list[list[Tensor]]:
+) -> tuple[list[list[Tensor]], list[list[bool]]]:
     """Send each rank its messages and receive this rank's, in one `all_to_all`.
 
     Args:
@@ -234,7 +234,8 @@ def _exchange(
         template: A tensor of the messages' dtype and device.
 
     Returns:
-        Per sending rank, its messages (views of one received buffer).
+        Per sending rank, its messages (views of one received buffer) and
+        their flags (read from the device once).
     """
     send = [sum(m.numel() for m in messages) for messages in outgoing]
     sizes = [[block_numel(layer, world_size) for layer in layers] for layers in sources]
@@ -244,7 +245,12 @@ def _exchange(
     incoming = template.new_empty(sum(receive))
     with named_collective("The exchange of FSDP2 shards with their owners"):
         dist.all_to_all_single(incoming, flat, receive, send)
-    return [
+    messages = [
         list(chunk.split(lengths))
         for chunk, lengths in zip(incoming.split(receive), sizes, strict=True)
     ]
+    ends = list(itertools.accumulate(n for lengths in sizes for n in lengths))
+    last = torch.tensor(ends, dtype=torch.long, device=incoming.device) - 1
+    present = iter((incoming[last] > 0.5).tolist() if ends else [])
+    flags = [[next(present) for _ in lengths] for lengths in sizes]
+    return messages, flags

@@ -183,16 +183,26 @@ def with_unused_parameters(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model, find_unused_parameters=True)
 
 
-def train_heads(distribute: str, steps: int = 2 * STEPS) -> list[Tensor]:
+def train_heads(
+    distribute: str, steps: int = 2 * STEPS, *, fsdp: bool = False
+) -> list[Tensor]:
     """Train `TwoHeads` (T = 2) with the heads in turn; one process: the whole batch.
 
     Under DDP (`find_unused_parameters`) the resting head has no gradient on any
-    rank, so it sits the step out on every rank alike.
+    rank, so it sits the step out on every rank alike; so it does under FSDP2
+    (`fsdp`: a unit for the body and for each head, and the root).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = TwoHeads().double()
-    net = with_unused_parameters(model)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in (model.body, *model.heads):
+            fully_shard(unit)
+        net = fully_shard(model)
+    else:
+        net = with_unused_parameters(model)
     optimizer = SINGD(net, distribute=strategy(distribute), **{**DENSE, "T": 2})
     for step in range(steps):
         generator = torch.Generator().manual_seed(step)

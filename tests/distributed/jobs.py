@@ -314,6 +314,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     _bytes(results)
     for distribute in ("replicate", "shard", "owned", "factors"):
         results[f"heads/{distribute}"] = train_heads(distribute)
+        results[f"heads/fsdp/{distribute}"] = train_heads(distribute, fsdp=True)
         results[f"buffers/{distribute}"] = _buffers(distribute)
     _routed(results)
     for model in ("three", "embed", "conv1d"):  # rows, columns, a bias beside them

@@ -114,10 +114,12 @@ def test_three_ranks_equal_one_process(w3: list[dict[str, Any]], name: str) -> N
 
 @pytest.mark.parametrize("distribute", ["replicate", "shard", "owned", "factors"])
 def test_layers_without_gradients_sit_out_alike(w2: list[dict], distribute) -> None:
-    """Heads used in turn (T = 2): every rank leaves the resting head out alike."""
+    """Heads used in turn (T = 2): every rank leaves the resting head out alike,
+    under DDP and under FSDP2 (a unit per head)."""
     expected = train_heads("replicate")
     for result in w2:
         _assert_close(result[f"heads/{distribute}"], expected)
+        _assert_close(result[f"heads/fsdp/{distribute}"], expected)
 
 
 @pytest.mark.parametrize("kfac", [False, True], ids=["singd", "kfac"])

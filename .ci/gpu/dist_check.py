@@ -91,13 +91,15 @@ for wrap_name in ("ddp", "fsdp"):
             ),
         )
     )
-    # AdamW grafting (under FSDP2 before 2026-12-04 a ValueError)
-    CASES.append(
-        (
-            f"{wrap_name} graft shard",
-            Case(options={**SPARSE, "graft": "adamw"}, wrap=wrap_name),
+    # AdamW grafting (under FSDP2 before 2026-12-04 a ValueError; on Conv1D's
+    # columns beside its split bias before 2026-12-05)
+    for model in ("three", "conv1d"):
+        CASES.append(
+            (
+                f"{wrap_name} graft shard model={model}",
+                Case({**SPARSE, "graft": "adamw"}, wrap_name, model=model),
+            )
         )
-    )
     # "block": two layers in one FSDP2 unit; "attention": an encoder layer unit
     # and an nn.MultiheadAttention unit (both wrong under FSDP2 before 2026-12-04)
     # "tied", "embed", "conv1d": FSDP2's column shards (refused before 2026-12-04)

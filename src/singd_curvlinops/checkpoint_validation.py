@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops import checkpoint, state_validation
+from singd_curvlinops.distributed.fsdp import split_bias
 from singd_curvlinops.layers.layer_set import LayerSet
 from singd_curvlinops.option_guard import check_options
 from singd_curvlinops.rules import FactorRule
@@ -286,5 +287,6 @@ def _check_entry(
         return None
     if param is layer.weight:
         return state_validation.check_layer_entry(entry, where, layer, group, rule)
-    state_validation.check_param_entry(entry, where, owner, param)
+    grafted = split_bias(layer)  # (its own grafting moments)
+    state_validation.check_param_entry(entry, where, owner, param, grafted=grafted)
     return None

@@ -4,15 +4,19 @@
 of the rows (with the current factors if the rule reads them), the owners'
 projection under a sharded strategy, statistics as rows where they are fewer
 than the factor's dimension (`distributed.gram_rows`), and the projection of a
-tied weight's transposed use (`Layer.twin`).
+tied weight's transposed use (`Layer.twin`); first it checks that the factors
+are in the dtypes the layer computes in (`check_factor_dtypes`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from singd_curvlinops import state_validation
+import torch
+from torch import Tensor
+
 from singd_curvlinops.collection_plan import CollectionPlan
 from singd_curvlinops.distributed import DistributionStrategy, gram_rows, raw_gram
 from singd_curvlinops.layers import Layer
@@ -46,7 +50,7 @@ def plan_collection(
         ValueError: For a layer tied to a transposed use under
             `Shard(factors="owned")` with a rule whose owners do not project
             raw statistics (`raw_gram.projects_raw`); a factor dtype that
-            differs from the state's (`state_validation.check_factor_dtypes`).
+            differs from the state's (`check_factor_dtypes`).
     """
     options = layer.options(group)
     project = distribution.projection(layer, rule, options)
@@ -75,7 +79,7 @@ def plan_collection(
             "support (their owners project each orientation)."
         )
     dtypes = layer.factor_dtypes(group)
-    state_validation.check_factor_dtypes(layer, state, dtypes, rule)
+    check_factor_dtypes(layer, state, dtypes, rule)
     return CollectionPlan(
         kfac_approx=group["kfac_approx"],
         loss_average=group["loss_average"],
@@ -85,3 +89,35 @@ def plan_collection(
         project_transposed=transposed,
         per_example=rule.per_example,
     )
+
+
+def check_factor_dtypes(
+    layer: Layer,
+    state: Mapping[str, Any],
+    dtypes: tuple[torch.dtype, torch.dtype],
+    rule: FactorRule,
+) -> None:
+    """Raise if a layer's factors are not in the dtypes it computes them in now.
+
+    They follow the weight's dtype unless `preconditioner_dtype` fixes them, so a
+    model cast after the optimizer was built (`model.double()`) no longer fits.
+
+    Args:
+        layer: The layer.
+        state: Its state (a factor this rank does not keep is skipped).
+        dtypes: `layer.factor_dtypes(group)`.
+        rule: The optimizer's factor rule.
+
+    Raises:
+        ValueError: Naming the layer, both dtypes and the remedy.
+    """
+    for prefix, side in rule.factor_sides:
+        stored = next((v for k, v in state.items() if k.startswith(f"{prefix}.")), None)
+        if isinstance(stored, Tensor) and stored.dtype != dtypes[side]:
+            raise ValueError(
+                f"Layer {layer.name!r}: its factor {prefix} is {stored.dtype}, but "
+                f"the layer computes in {dtypes[side]} now (its weight is "
+                f"{layer.weight.dtype}): was the model cast after the optimizer was "
+                "built? Build the optimizer after casting the model (or fix the "
+                "factors' dtype with preconditioner_dtype)."
+            )

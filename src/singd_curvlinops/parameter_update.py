@@ -23,7 +23,11 @@ the grafted optimizer the step size, layer by layer. The AdamW moments use the
 group's `fallback_betas` and `fallback_eps` and live in the layer's state as
 `"graft_exp_avg"`, `"graft_exp_avg_sq"` (layout of \(\Gamma\); under FSDP2 a
 `DTensor` of the rank's rows or columns, `fsdp.gamma_zeros`, whose norms
-`LayerStepper.apply` sums over the ranks).
+`LayerStepper.apply` sums over the ranks). Where FSDP2's blocks are not shards
+of \(\Gamma\) (`fsdp.split_bias`: Hugging Face's `Conv1D`, whose weight it
+splits by columns of \(\Gamma\) and whose bias by rows) the moments are kept
+per parameter instead, each in its parameter's state, shape and sharding (as
+its momentum buffer: `graft_moments`).
 
 **Fallback parameters** go through their group's `FallbackRule`
 (`rules.fallback`).
@@ -40,7 +44,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
-from singd_curvlinops.distributed.fsdp import gamma_zeros, local, split_bias
+from singd_curvlinops.distributed.collectives import rank, world_size
+from singd_curvlinops.distributed.fsdp import (
+    block_parts,
+    gamma_zeros,
+    local,
+    split_bias,
+)
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules.fallback import (
     FALLBACK_RULES,
@@ -50,26 +60,11 @@ from singd_curvlinops.rules.fallback import (
 from singd_curvlinops.update import checked_parameter_steps
 
 
-def init_graft_state(layer: Layer, group: Mapping[str, Any]) -> dict[str, Tensor]:
-    """Return a layer's grafting state (zero moments for AdamW grafting).
-
-    Args:
-        layer: The layer.
-        group: Its parameter group.
-
-    Returns:
-        `"graft_exp_avg"` and `"graft_exp_avg_sq"` in the layout of Gamma
-        (under FSDP2 sharded as its blocks: `fsdp.gamma_zeros`), or nothing
-        without AdamW grafting, or for a layer whose blocks are not shards of
-        Gamma (`fsdp.split_bias`: grafting refuses it).
-    """
-    if group["graft"] != "adamw" or split_bias(layer):
-        return {}
-    return {"graft_exp_avg": gamma_zeros(layer), "graft_exp_avg_sq": gamma_zeros(layer)}
-
-
 def graft_norm(
-    grad: Tensor | None, state: dict[str, Any], group: Mapping[str, Any], layer: Layer
+    grad: Tensor | None,
+    states: Sequence[dict[str, Any]],
+    group: Mapping[str, Any],
+    layer: Layer,
 ) -> Tensor | None:
     r"""Return \(\lVert D \rVert_F\), the norm of the grafted direction (or None).
 
@@ -80,9 +75,10 @@ def graft_norm(
     Args:
         grad: The layer's \(\Gamma\) (block), unscaled (not modified); None: no
             gradient on this rank (a zero norm, no moment changes).
-        state: The layer's state (AdamW moments updated in place; `"step"`
-            already counts this step; grafting switched on after construction
-            keeps its own count, `"graft_step"`).
+        states: The state entries of the layer's parameters, the weight's first
+            (AdamW moments updated in place; the weight's `"step"` already
+            counts this step; grafting switched on after construction keeps its
+            own count, `"graft_step"`).
         group: The layer's group.
         layer: The layer (for the moments' layout).
 
@@ -94,23 +90,76 @@ def graft_norm(
         return None
     if grad is None:
         return torch.zeros((), device=local(layer.weight).device)
+    blocks = graft_blocks(layer, grad)
     if graft == "sgd":
-        return torch.linalg.vector_norm(grad)
+        return joint_norm(blocks)
+    state = states[0]
     if "graft_exp_avg" not in state:  # switched on later: count its own steps
-        state["graft_exp_avg"] = gamma_zeros(layer)
-        state["graft_exp_avg_sq"] = gamma_zeros(layer)
         state["graft_step"] = torch.zeros((), dtype=torch.int64)
+    moments = graft_moments(layer, states)
     if "graft_step" in state:  # (AdamW's bias correction counts grafted steps)
         state["graft_step"].add_(1)
-    (direction,) = adam_directions(
-        [grad],
-        [local(state["graft_exp_avg"])],
-        [local(state["graft_exp_avg_sq"])],
-        steps=[int(state.get("graft_step", state["step"]))],
+    directions = adam_directions(
+        blocks,
+        [local(entry["graft_exp_avg"]) for entry in moments],
+        [local(entry["graft_exp_avg_sq"]) for entry in moments],
+        steps=[int(state.get("graft_step", state["step"]))] * len(blocks),
         betas=group["fallback_betas"],
         eps=group["fallback_eps"],
     )
-    return torch.linalg.vector_norm(direction)
+    return joint_norm(directions)
+
+
+def graft_blocks(layer: Layer, matrix: Tensor) -> list[Tensor]:
+    r"""Return the tensors in which grafting keeps its moments, from a \(\Gamma\) block.
+
+    Args:
+        layer: The layer.
+        matrix: This rank's block of \(\Gamma\) (or of \(\Delta\)).
+
+    Returns:
+        `[matrix]`; for a layer with `fsdp.split_bias`, this rank's parts of the
+        weight (in its layout) and of the bias (`fsdp.block_parts`).
+    """
+    if not split_bias(layer):
+        return [matrix]
+    return block_parts(layer, matrix, rank(), world_size())
+
+
+def graft_moments(layer: Layer, states: Sequence[dict[str, Any]]) -> list[dict]:
+    """Return the entries that hold a layer's AdamW grafting moments, made if new.
+
+    Args:
+        layer: The layer.
+        states: The state entries of its parameters, the weight's first.
+
+    Returns:
+        `[states[0]]` (moments in the layout of Gamma); for a layer with
+        `fsdp.split_bias`, every parameter's entry (moments of its shape).
+    """
+    if not split_bias(layer):
+        entries, zeros = [states[0]], [lambda: gamma_zeros(layer)]
+    else:
+        entries = list(states)
+        zeros = [partial(torch.zeros_like, param) for param in layer.params]
+    for entry, make in zip(entries, zeros, strict=True):
+        if "graft_exp_avg" not in entry:
+            entry["graft_exp_avg"], entry["graft_exp_avg_sq"] = make(), make()
+    return entries
+
+
+def joint_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """Return the Frobenius norm of several tensors together.
+
+    Args:
+        tensors: The tensors.
+
+    Returns:
+        A 0-d tensor.
+    """
+    if len(tensors) == 1:
+        return torch.linalg.vector_norm(tensors[0])
+    return torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors]))
 
 
 def rescale(direction: Tensor, norm: Tensor, current: Tensor | None = None) -> Tensor:

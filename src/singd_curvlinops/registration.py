@@ -140,7 +140,7 @@ class Registration:
             )
 
     def _init_state(self, layer: Layer, group: dict[str, Any]) -> None:
-        """Create a layer's state: the rule's factors, counters, momentum buffers.
+        """Create a layer's state: factors, counters, momentum and grafting buffers.
 
         Args:
             layer: The layer.
@@ -155,10 +155,12 @@ class Registration:
         state["step"] = 0
         # scale of the output gradients expected in the next backward pass
         state["grad_scale"] = self._init_grad_scale
-        state.update(parameter_update.init_graft_state(layer, group))
         for param in layer.params:  # every parameter has state (as DCP expects);
             # a zero buffer makes the first momentum step the step itself
             self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        if group["graft"] == "adamw":  # (the moments, zero)
+            states = [self.state[param] for param in layer.params]
+            parameter_update.graft_moments(layer, states)
 
 
 def sparse_gradient_params(model: Module, params: Collection[Parameter]) -> list[str]:

@@ -329,7 +329,6 @@ class KroneckerOptimizer(
             step_options=step_options,
             guard=guard,
         )
-        stepper.check(layers)
         self._distribution.step(stepper, layers)
         parameter_update.step_fallback(
             [(p, group) for group, p in fallback],

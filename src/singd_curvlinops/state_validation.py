@@ -23,11 +23,12 @@ Optional: AdamW grafting's `"graft_exp_avg"`, `"graft_exp_avg_sq"` (a pair,
 created at the first grafted step; with `"graft_step"`, the count of grafted
 steps, where grafting was switched on after construction), and the counters
 `"skipped_steps"`, `"discarded_factor_updates"`. Momentum buffers, fallback
-moments and grafting moments have the parameter's shape (the moments the layout
-of \(\Gamma\), `[d_C, d_K]`), any floating dtype (loading casts them to the
-parameter's) and finite entries; counters are ints in `[0, 2**63)` (or 0-d
-integer tensors); a gradient scale is a finite positive number. Any other entry
-is refused.
+moments and grafting moments have the parameter's shape (the grafting moments
+the layout of \(\Gamma\), `[d_C, d_K]`, but each parameter's own where FSDP2
+splits a bias apart from the weight's blocks, `fsdp.split_bias`), any floating
+dtype (loading casts them to the parameter's) and finite entries; counters are
+ints in `[0, 2**63)` (or 0-d integer tensors); a gradient scale is a finite
+positive number. Any other entry is refused.
 
 Wrong types raise `TypeError`, everything else `ValueError`; messages give the
 entry's path in the state dict (`state_dict['state'][0]['K.mat']`), the layer or
@@ -44,6 +45,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from singd_curvlinops._hyperparameters import check_positive
+from singd_curvlinops.distributed.fsdp import split_bias
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.rules.fallback import FALLBACK_RULES
@@ -172,14 +174,9 @@ def check_layer_entry(
         check_counter(entry[key], _at(where, key, owner))
     check_positive(_at(where, "grad_scale", owner), entry["grad_scale"])
     _check_momentum(entry, where, owner, layer.weight)
-    if any(key in entry for key in GRAFT_KEYS):
-        for key in GRAFT_KEYS:
-            if key not in entry:
-                raise ValueError(
-                    f"{where} ({owner}) has one of {list(GRAFT_KEYS)} without the "
-                    "other; AdamW grafting keeps both."
-                )
-            check_tensor(entry[key], _at(where, key, owner), layer.dims[::-1])
+    # the layout of Γ; per parameter where FSDP2's blocks are not shards of Γ
+    shape = tuple(layer.weight.shape) if split_bias(layer) else layer.dims[::-1]
+    _check_graft_moments(entry, where, owner, shape)
     if "graft_step" in entry:
         if "graft_exp_avg" not in entry:
             raise ValueError(
@@ -193,7 +190,12 @@ def check_layer_entry(
 
 
 def check_param_entry(
-    entry: Mapping[str, Any], where: str, owner: str, param: Parameter
+    entry: Mapping[str, Any],
+    where: str,
+    owner: str,
+    param: Parameter,
+    *,
+    grafted: bool = False,
 ) -> None:
     """Check the state entry of a layer's other parameter (its bias).
 
@@ -202,13 +204,43 @@ def check_param_entry(
         where: Its path, for messages.
         owner: The parameter, for messages.
         param: The parameter.
+        grafted: Whether it may keep AdamW grafting's moments (a bias that
+            FSDP2 splits apart from the weight's blocks: `fsdp.split_bias`).
 
     The helpers raise a `ValueError` for a missing, unknown or invalid entry, a
     `TypeError` for one of the wrong type.
     """
-    _check_keys(entry, where, owner, ["momentum_buffer"], OPTIONAL_COUNTERS)
+    optional = [*GRAFT_KEYS, *OPTIONAL_COUNTERS] if grafted else OPTIONAL_COUNTERS
+    _check_keys(entry, where, owner, ["momentum_buffer"], optional)
     _check_momentum(entry, where, owner, param)
+    _check_graft_moments(entry, where, owner, tuple(param.shape))
     _check_optional_counters(entry, where, owner)
+
+
+def _check_graft_moments(
+    entry: Mapping[str, Any], where: str, owner: str, shape: tuple[int, ...]
+) -> None:
+    """Check AdamW grafting's moments, if the entry has them: both, of `shape`.
+
+    Args:
+        entry: The saved entry.
+        where: Its path, for messages.
+        owner: The layer or parameter, for messages.
+        shape: Their shape.
+
+    Raises:
+        ValueError: For one moment without the other; `check_tensor` raises for
+            invalid ones.
+    """
+    if not any(key in entry for key in GRAFT_KEYS):
+        return
+    for key in GRAFT_KEYS:
+        if key not in entry:
+            raise ValueError(
+                f"{where} ({owner}) has one of {list(GRAFT_KEYS)} without the "
+                "other; AdamW grafting keeps both."
+            )
+        check_tensor(entry[key], _at(where, key, owner), shape)
 
 
 def check_fallback_entry(
@@ -414,35 +446,3 @@ def _check_structures(
             "layer's structures are fixed when the optimizer is built: build it with "
             "the checkpoint's structures (and max_dense_dim) to load this state."
         )
-
-
-def check_factor_dtypes(
-    layer: Layer,
-    state: Mapping[str, Any],
-    dtypes: tuple[torch.dtype, torch.dtype],
-    rule: FactorRule,
-) -> None:
-    """Raise if a layer's factors are not in the dtypes it computes them in now.
-
-    They follow the weight's dtype unless `preconditioner_dtype` fixes them, so a
-    model cast after the optimizer was built (`model.double()`) no longer fits.
-
-    Args:
-        layer: The layer.
-        state: Its state (a factor this rank does not keep is skipped).
-        dtypes: `layer.factor_dtypes(group)`.
-        rule: The optimizer's factor rule.
-
-    Raises:
-        ValueError: Naming the layer, both dtypes and the remedy.
-    """
-    for prefix, side in rule.factor_sides:
-        stored = next((v for k, v in state.items() if k.startswith(f"{prefix}.")), None)
-        if isinstance(stored, Tensor) and stored.dtype != dtypes[side]:
-            raise ValueError(
-                f"Layer {layer.name!r}: its factor {prefix} is {stored.dtype}, but "
-                f"the layer computes in {dtypes[side]} now (its weight is "
-                f"{layer.weight.dtype}): was the model cast after the optimizer was "
-                "built? Build the optimizer after casting the model (or fix the "
-                "factors' dtype with preconditioner_dtype)."
-            )

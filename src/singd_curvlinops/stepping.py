@@ -303,10 +303,10 @@ class LayerStepper:
         """
         blocked = split_bias(layer)
         sharded = is_sharded(layer) and world_size() > 1
-        group, state = self.group(layer), self.state[layer.weight]
+        group = self.group(layer)
         choices = []
         if group["graft"] is not None:  # (on every rank: norms over all shards)
-            choices = self._graft(layer, direction, group, state, sharded=sharded)
+            choices = self._graft(layer, direction, group, sharded=sharded)
         if not blocked and not local(layer.params[0]).numel():  # an empty shard
             if choices:  # its grafting counter follows the other ranks' verdict
                 passed = torch.ones((), dtype=torch.bool, device=direction.device)
@@ -334,7 +334,6 @@ class LayerStepper:
         layer: Layer,
         direction: Tensor,
         group: dict[str, Any],
-        state: dict,
         *,
         sharded: bool,
     ) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -347,15 +346,20 @@ class LayerStepper:
             layer: The layer.
             direction: \(\Delta\) (this rank's block; rescaled in place).
             group: Its group.
-            state: Its state (the AdamW moments change).
             sharded: Whether the layer is an FSDP2 shard on several ranks.
 
         Returns:
             `(target, new, old)` of the grafting entries, for the step's verdict.
         """
-        before = {k: v.clone() for k, v in state.items() if k.startswith(GRAFT)}
-        norm = parameter_update.graft_norm(self.gradient(layer), state, group, layer)
-        current = torch.linalg.vector_norm(direction)
+        states = [self.state[param] for param in layer.params]
+        before = [
+            {k: v.clone() for k, v in entry.items() if k.startswith(GRAFT)}
+            for entry in states
+        ]
+        norm = parameter_update.graft_norm(self.gradient(layer), states, group, layer)
+        blocks = parameter_update.graft_blocks(layer, direction)  # (without the
+        # bias rows of other ranks, which a split bias's block carries)
+        current = parameter_update.joint_norm(blocks)
         if sharded:
             dtype = torch.promote_types(norm.dtype, current.dtype)
             squares = torch.stack([norm.to(dtype), current.to(dtype)]).square()
@@ -364,32 +368,11 @@ class LayerStepper:
             norm, current = squares.sqrt().unbind()
         parameter_update.rescale(direction, norm, current)
         choices = []
-        for key in [key for key in state if key.startswith(GRAFT)]:
-            old = before.get(key, torch.zeros_like(state[key]))  # (new: zeros)
-            choices.append((local(state[key]), local(state[key]), local(old)))
+        for entry, saved in zip(states, before, strict=True):
+            for key in [key for key in entry if key.startswith(GRAFT)]:
+                old = saved.get(key, torch.zeros_like(entry[key]))  # (new: zeros)
+                choices.append((local(entry[key]), local(entry[key]), local(old)))
         return choices
-
-    def check(self, layers: list[Layer]) -> None:
-        """Raise before any change if an option cannot work on these layers.
-
-        Args:
-            layers: The layers of this step.
-
-        Raises:
-            ValueError: For grafting on FSDP2's column shards with a bias
-                beside them (Hugging Face's `Conv1D`): their blocks are not
-                shards of Gamma, in which grafting keeps its moments.
-        """
-        for layer in layers:
-            graft = self.group(layer)["graft"]
-            if graft is not None and split_bias(layer):
-                raise ValueError(
-                    f"Layer {layer.name!r}: graft={graft!r} keeps its moments in "
-                    "the layout of the layer's gradient matrix, which FSDP2 splits "
-                    "by columns for the weight and by rows for the bias (Hugging "
-                    "Face's Conv1D). Use graft=None for this layer (a parameter "
-                    "group of its own)."
-                )
 
     def update_factors(self, layer: Layer) -> None:
         """Do a layer's factor work of this step on this rank (replicated work).

@@ -276,6 +276,7 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp-ekfac",
         "fsdp-graft-three",
         "fsdp-graft-embed",
+        "fsdp-graft-conv1d",
         "fsdp-owned-three",
         "fsdp-owned-conv1d",
         "shard-relay",
@@ -588,24 +589,15 @@ def test_fsdp_shards_that_are_not_rows_or_columns_raise(
         assert "neither rows nor columns of Γ" in own
 
 
-@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned"])
-def test_grafting_on_conv1d_shards_under_fsdp_raises(
-    misuse: list[dict], distribute: str
-) -> None:
-    """Column shards with a bias beside them (Conv1D): grafting's moments live in
-    Γ's layout, of which these blocks are not shards."""
-    for result in misuse:
-        message = result[f"misuse/fsdp_graft/{distribute}"]
-        assert message.startswith("ValueError: Layer '1': graft='adamw' keeps its")
-        assert "Hugging Face's Conv1D" in message and "graft=None" in message
-
-
-def test_grafting_switched_on_later_under_fsdp(w2: list[dict]) -> None:
-    """The moments are made at the first grafted step, sharded like Γ's blocks."""
-    single = replace(GRAFT_LATER, wrap="manual", distribute="replicate")
+@pytest.mark.parametrize("model", ["three", "conv1d"])
+def test_grafting_switched_on_later_under_fsdp(w2: list[dict], model: str) -> None:
+    """The moments are made at the first grafted step, sharded like Γ's blocks
+    (like the parameters beside Conv1D's split bias)."""
+    single = replace(GRAFT_LATER, wrap="manual", distribute="replicate", model=model)
     expected = train_graft_later(single)
+    key = "graft_later" if model == "three" else f"graft_later/{model}"
     for result in w2:
-        _assert_close(result["graft_later"], expected)
+        _assert_close(result[key], expected)
 
 
 # --------------------------------------------------------------- buffers

@@ -194,6 +194,10 @@ CORRUPTIONS = [
     ("graft-step-alone", _set(("state", 0, "graft_step"), 3), ValueError,
      r"state_dict\['state'\]\[0\] \(layer '0'\) has 'graft_step' without the "
      r"grafting moments"),
+    # a bias keeps grafting moments of its own only beside FSDP2's column shards
+    ("graft-on-a-bias", _set(("state", 1, "graft_exp_avg"), torch.zeros(3)),
+     ValueError, r"state_dict\['state'\]\[1\] \(parameter '0\.bias' of layer "
+     r"'0'\) has the unknown entries \['graft_exp_avg'\]"),
 ]  # fmt: skip
 
 

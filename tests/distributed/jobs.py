@@ -30,6 +30,7 @@ from singd_curvlinops.bench.distributed import (
     measure_distributed,
 )
 from singd_curvlinops.distributed import Shard, bytes_per_step
+from singd_curvlinops.distributed.fsdp import local as local_shard
 from singd_curvlinops.rules import KFACRule
 from tests.distributed.harness import (
     BATCH,
@@ -336,6 +337,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         results[f"heads/{distribute}"] = train_heads(distribute)
         results[f"heads/fsdp/{distribute}"] = train_heads(distribute, fsdp=True)
         results[f"buffers/{distribute}"] = _buffers(distribute)
+    results["buffers/fsdp_owned"] = _buffers("owned", "fsdp")  # (`owner_blocks`)
     _routed(results)
     for model in ("three", "embed", "conv1d"):  # rows, columns, a bias beside them
         for distribute in ("shard", "owned"):
@@ -549,14 +551,14 @@ def _bytes(results: dict[str, Any]) -> None:
         )
 
 
-def _buffers(distribute: str) -> dict[str, Any]:
+def _buffers(distribute: str, wrap_name: str = "ddp") -> dict[str, Any]:
     """Train the dense case; record the message buffers after steps 2 and 4.
 
     Per slot its storage address (the same after both: lent again, not
     reallocated), and whether any state tensor lives in a buffer's storage
     (it must not: the next step overwrites the buffers).
     """
-    case = Case(DENSE, distribute=distribute)
+    case = Case(DENSE, wrap_name, distribute)
     net = wrap(case, build_model(case.model))
     optimizer = make_optimizer(case, net)
     seen = []
@@ -567,7 +569,7 @@ def _buffers(distribute: str) -> dict[str, Any]:
             seen.append({_slot(key): held[key].data_ptr() for key in held})
     buffers = {tensor.data_ptr() for tensor in held.values()}
     state = [
-        value.untyped_storage().data_ptr()
+        local_shard(value).untyped_storage().data_ptr()
         for entries in optimizer.state.values()
         for value in entries.values()
         if isinstance(value, torch.Tensor)

@@ -601,7 +601,9 @@ def test_grafting_switched_on_later_under_fsdp(w2: list[dict], model: str) -> No
 
 
 # --------------------------------------------------------------- buffers
-@pytest.mark.parametrize("distribute", ["replicate", "shard", "owned", "factors"])
+@pytest.mark.parametrize(
+    "distribute", ["replicate", "shard", "owned", "factors", "fsdp_owned"]
+)
 def test_message_buffers_are_lent_again(
     w2: list[dict[str, Any]], distribute: str
 ) -> None:
@@ -619,6 +621,11 @@ def test_message_buffers_are_lent_again(
         "shard": ["('step', 'sent')", "('step', 1)", "('received', "],  # + relay
         "owned": ["('step', 'sent')", "('factor', ", "('received', "],  # + helper
         "factors": ["('factors', 'sent')", "('factors', 1)"],
+        "fsdp_owned": [  # Γ's blocks to their owners, Δ's back
+            f"('{way} owners', '{end}')"
+            for way in ("to", "from")
+            for end in ("sent", "received")
+        ],
     }[distribute]
     for name in expected:
         assert name in slots, (name, slots)

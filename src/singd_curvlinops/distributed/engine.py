@@ -147,7 +147,7 @@ class GatheredStep:
         first, layout = step_layout.layouts(self, layers, due)
         if first:  # the factors first, then the preconditioning
             self._share(layers, first, {}, slot="factors")
-        exchange = (self._owner, self.me, self.world, dtype)
+        exchange = (self._owner, self.me, self.world, dtype, self.buffers)
         deltas, blocks = {}, {}  # FSDP2 shards under owned factors: at owners
         if at_owners:
             deltas = owner_blocks.precondition(self.stepper, at_owners, *exchange)

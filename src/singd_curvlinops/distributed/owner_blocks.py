@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from singd_curvlinops.distributed.buffers import Buffers, lend
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.distributed.shards import (
@@ -67,6 +69,7 @@ def precondition(
     me: int,
     world_size: int,
     dtype: torch.dtype,
+    buffers: Buffers | None = None,
 ) -> dict[Layer, Tensor | None]:
     r"""Gather \(\Gamma\) on the owners and compute \(\Delta\) there (steps 1, 2).
 
@@ -78,13 +81,15 @@ def precondition(
         me: This rank.
         world_size: The number of ranks.
         dtype: The messages' dtype (holds every block exactly).
+        buffers: The strategy's message buffers (None: allocated here).
 
     Returns:
         Per layer that this rank owns, \(\Delta\) (`[d_C, d_K]`; None: no
         gradient).
     """
     gradients = {layer: stepper.gradient(layer) for layer in layers}
-    gathered = to_owners(layers, owner, gradients, me, world_size, dtype)
+    args = (me, world_size, dtype, buffers)
+    gathered = to_owners(layers, owner, gradients, *args)
     return {
         layer: None
         if grad is None
@@ -100,6 +105,7 @@ def to_owners(
     me: int,
     world_size: int,
     dtype: torch.dtype,
+    buffers: Buffers | None = None,
 ) -> dict[Layer, Tensor | None]:
     r"""Gather each layer's \(\Gamma\) on its owner (module docs, step 1).
 
@@ -111,6 +117,7 @@ def to_owners(
         me: This rank.
         world_size: The number of ranks.
         dtype: The messages' dtype (holds every block exactly).
+        buffers: The strategy's message buffers (None: allocated here).
 
     Returns:
         For each layer that this rank owns, \(\Gamma\) (`[d_C, d_K]`), or None
@@ -119,10 +126,9 @@ def to_owners(
     mine = [layer for layer in layers if owner(layer) == me]
     outgoing = [[] for _ in range(world_size)]
     for layer in layers:
-        message = _message(layer, gradients[layer], world_size, dtype)
-        outgoing[owner(layer)].append(message)
-    template = torch.empty(0, dtype=dtype, device=local(layers[0].weight).device)
-    incoming, flags = _exchange(outgoing, [mine] * world_size, world_size, template)
+        outgoing[owner(layer)].append((layer, gradients[layer]))
+    wire = _Wire(world_size, dtype, local(layers[0].weight).device, buffers)
+    incoming, flags = wire.exchange(outgoing, [mine] * world_size, "to owners")
     gathered: dict[Layer, Tensor | None] = {}
     for index, layer in enumerate(mine):
         gathered[layer] = None
@@ -140,6 +146,7 @@ def from_owners(
     me: int,
     world_size: int,
     dtype: torch.dtype,
+    buffers: Buffers | None = None,
 ) -> dict[Layer, Tensor | None]:
     r"""Hand every rank its block of each layer's \(\Delta\) (module docs, step 3).
 
@@ -151,10 +158,12 @@ def from_owners(
         me: This rank.
         world_size: The number of ranks.
         dtype: The messages' dtype.
+        buffers: The strategy's message buffers (None: allocated here).
 
     Returns:
         Per layer, this rank's block of \(\Delta\) (in the layout of its
-        gradient), or None if the layer has no gradient.
+        gradient; views of a buffer, valid within the step), or None if the
+        layer has no gradient.
     """
     mine = [layer for layer in layers if owner(layer) == me]
     outgoing = [[] for _ in range(world_size)]
@@ -165,12 +174,12 @@ def from_owners(
             if full is not None:
                 rows = held(layer, receiver, world_size)
                 block = own_block(layer, full, receiver, world_size, rows)
-            outgoing[receiver].append(_message(layer, block, world_size, dtype))
+            outgoing[receiver].append((layer, block))
     sources = [
         [layer for layer in layers if owner(layer) == r] for r in range(world_size)
     ]
-    template = torch.empty(0, dtype=dtype, device=local(layers[0].weight).device)
-    incoming, flags = _exchange(outgoing, sources, world_size, template)
+    wire = _Wire(world_size, dtype, local(layers[0].weight).device, buffers)
+    incoming, flags = wire.exchange(outgoing, sources, "from owners")
     received: dict[Layer, Tensor | None] = {}
     for sender, sent in enumerate(sources):
         for index, layer in enumerate(sent):
@@ -181,27 +190,84 @@ def from_owners(
     return received
 
 
-def _message(
-    layer: Layer, block: Tensor | None, world_size: int, dtype: torch.dtype
-) -> Tensor:
-    """Return a block padded to `shards.block_shape`, flattened, and its flag.
+class _Wire:
+    """One `all_to_all` of padded blocks, each with its flag, in kept buffers.
 
     Args:
-        layer: The layer.
-        block: A rank's block (None: zeros, flag 0).
         world_size: The number of ranks.
-        dtype: The message's dtype.
-
-    Returns:
-        A new flat tensor of `block_numel` numbers, the flag last.
+        dtype: The messages' dtype.
+        device: Their device.
+        buffers: The strategy's message buffers (None: allocated per call).
     """
-    shape = block_shape(layer, world_size)
-    device = local(layer.weight).device
-    message = torch.zeros(shape[0] * shape[1] + 1, dtype=dtype, device=device)
-    if block is not None:
-        pad_share(block, layer, message[:-1].view(shape))
-        message[-1] = 1
-    return message
+
+    def __init__(
+        self,
+        world_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        buffers: Buffers | None,
+    ) -> None:
+        self.world_size, self.dtype, self.device = world_size, dtype, device
+        self.buffers = buffers
+
+    def exchange(
+        self,
+        outgoing: list[list[tuple[Layer, Tensor | None]]],
+        sources: list[list[Layer]],
+        slot: str,
+    ) -> tuple[list[list[Tensor]], list[list[bool]]]:
+        """Send each rank its blocks and receive this rank's.
+
+        Args:
+            outgoing: Per receiving rank, this rank's `(layer, block)` for it,
+                in order (None: no block, zeros and flag 0).
+            sources: Per sending rank, the layers of its blocks for this rank,
+                in order.
+            slot: The exchange's name among the buffers.
+
+        Returns:
+            Per sending rank, its messages (padded blocks with their flag last:
+            views of the received buffer, valid until `slot` is lent again) and
+            their flags (read from the device once).
+        """
+        numel = partial(block_numel, world_size=self.world_size)
+        send = [sum(numel(layer) for layer, _ in messages) for messages in outgoing]
+        sizes = [[numel(layer) for layer in layers] for layers in sources]
+        receive = [sum(lengths) for lengths in sizes]
+        flat = self._lend((slot, "sent"), sum(send))
+        flat.zero_()  # (the padding, and the blocks of ranks without a gradient)
+        offset = 0
+        for layer, block in (message for messages in outgoing for message in messages):
+            if block is not None:
+                message = flat[offset : offset + numel(layer)]
+                shape = block_shape(layer, self.world_size)
+                pad_share(block, layer, message[:-1].view(shape))
+                message[-1] = 1
+            offset += numel(layer)
+        incoming = self._lend((slot, "received"), sum(receive))
+        with named_collective("The exchange of FSDP2 shards with their owners"):
+            dist.all_to_all_single(incoming, flat, receive, send)
+        messages = [
+            list(chunk.split(lengths))
+            for chunk, lengths in zip(incoming.split(receive), sizes, strict=True)
+        ]
+        ends = list(itertools.accumulate(n for lengths in sizes for n in lengths))
+        last = torch.tensor(ends, dtype=torch.long, device=incoming.device) - 1
+        present = iter((incoming[last] > 0.5).tolist() if ends else [])
+        flags = [[next(present) for _ in lengths] for lengths in sizes]
+        return messages, flags
+
+    def _lend(self, slot: tuple[str, str], numel: int) -> Tensor:
+        """Return a flat buffer of the messages' dtype and device.
+
+        Args:
+            slot: Its name.
+            numel: Its entries.
+
+        Returns:
+            The buffer (contents undefined).
+        """
+        return lend(self.buffers, slot, numel, self.dtype, self.device)
 
 
 def _block(layer: Layer, message: Tensor, world_size: int) -> Tensor:
@@ -209,48 +275,10 @@ def _block(layer: Layer, message: Tensor, world_size: int) -> Tensor:
 
     Args:
         layer: The layer.
-        message: The numbers of `_message`.
+        message: The numbers of one block's message (`block_numel`).
         world_size: The number of ranks.
 
     Returns:
         The block: a view, in `block_shape` (the flag, last, left out).
     """
     return message[:-1].view(block_shape(layer, world_size))
-
-
-def _exchange(
-    outgoing: list[list[Tensor]],
-    sources: list[list[Layer]],
-    world_size: int,
-    template: Tensor,
-) -> tuple[list[list[Tensor]], list[list[bool]]]:
-    """Send each rank its messages and receive this rank's, in one `all_to_all`.
-
-    Args:
-        outgoing: Per receiving rank, this rank's messages to it, in order.
-        sources: Per sending rank, the layers of its messages to this rank, in
-            order (each sender sends one message per layer).
-        world_size: The number of ranks.
-        template: A tensor of the messages' dtype and device.
-
-    Returns:
-        Per sending rank, its messages (views of one received buffer) and
-        their flags (read from the device once).
-    """
-    send = [sum(m.numel() for m in messages) for messages in outgoing]
-    sizes = [[block_numel(layer, world_size) for layer in layers] for layers in sources]
-    receive = [sum(lengths) for lengths in sizes]
-    parts = [m for messages in outgoing for m in messages]
-    flat = torch.cat(parts) if parts else template.new_empty(0)
-    incoming = template.new_empty(sum(receive))
-    with named_collective("The exchange of FSDP2 shards with their owners"):
-        dist.all_to_all_single(incoming, flat, receive, send)
-    messages = [
-        list(chunk.split(lengths))
-        for chunk, lengths in zip(incoming.split(receive), sizes, strict=True)
-    ]
-    ends = list(itertools.accumulate(n for lengths in sizes for n in lengths))
-    last = torch.tensor(ends, dtype=torch.long, device=incoming.device) - 1
-    present = iter((incoming[last] > 0.5).tolist() if ends else [])
-    flags = [[next(present) for _ in lengths] for lengths in sizes]
-    return messages, flags

@@ -137,7 +137,8 @@ def own_block(
 
     Returns:
         Its rows, or its columns (and the whole bias column beside them, of
-        which `fsdp.block_parts` takes the rank's rows): views of `full`.
+        which `fsdp.block_parts` takes the rank's rows): views of `full`,
+        except for a new tensor where a bias column is put beside them.
     """
     first = rank * chunk_size(layer, world_size)
     if not splits_columns(layer):
@@ -190,7 +191,8 @@ def unpad(layer: Layer, padded: Tensor, mine: int) -> Tensor:
         mine: The rows (columns) that its rank holds.
 
     Returns:
-        Its first `mine` rows (columns; and the bias column last): views.
+        Its first `mine` rows (columns; and the bias column last): views,
+        except for a new tensor where a bias column is put beside them.
     """
     if not splits_columns(layer):
         return padded[:mine]

@@ -45,8 +45,9 @@ class EKFAC(KFAC):
     (about the memory of the layers' inputs and output gradients), because the
     eigenbasis that the per-example gradients are projected onto is known only
     then. Data parallelism all-reduces the projected sums in a second collective
-    per layer (`singd_curvlinops.distributed`; factor work replicated, also under
-    FSDP2). `set_curvature` is not supported.
+    per layer (`singd_curvlinops.distributed`; factor updates on every rank,
+    also under FSDP2; with `distribute="shard"` each layer's owner
+    preconditions it). `set_curvature` is not supported.
 
     All options after `params` are keyword-only.
 

@@ -113,11 +113,15 @@ class KroneckerOptimizer(
                 f"{supported_layers()} layers{empty_note(self._layers.empty, None)}."
             )
         self._distribution = distributed.resolve(distribute, tuple(defaults))
-        if rule.per_example and isinstance(self._distribution, distributed.Shard):
-            raise ValueError(
-                f"distribute={distribute!r}: {type(self).__name__} needs every "
-                "rank's rows in each factor update; use distribute='replicate'."
-            )
+        strategy = self._distribution
+        if rule.per_example and isinstance(strategy, distributed.Shard):
+            if strategy.factors != "replicated" or strategy.share != "directions":
+                raise ValueError(
+                    f"distribute={distribute!r}: {type(self).__name__} updates "
+                    "its factors on every rank (each update reads every rank's "
+                    "per-example gradients), so only the preconditioning is "
+                    "sharded: use distribute='shard' or 'replicate'."
+                )
         self._collector = StatisticsCollector(
             self._collection_plan, type(self).__name__
         )

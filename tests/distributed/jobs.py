@@ -55,6 +55,8 @@ from tests.distributed.harness import (
 )
 
 FSDP_EKFAC = Case(EKFAC_OPTIONS, "fsdp", "replicate", optimizer="ekfac")
+EKFAC_SHARD = Case(EKFAC_OPTIONS, "ddp", "shard", optimizer="ekfac")
+SPARSE_SHARD = Case(SPARSE)
 HIERARCHICAL = {**SPARSE, "T": 3, "structures": ("hierarchical5_5", "triutoeplitz")}
 CASES_W2 = {
     "dense": Case(DENSE),
@@ -185,6 +187,14 @@ CASES_W2 = {
     "fsdp_owned_conv1d_graft": Case(
         {**DENSE, "graft": "adamw"}, "fsdp", "owned", model="conv1d"
     ),
+    # EKFAC under "shard" (before 2026-12-05 a ValueError): every rank updates
+    # the factors, owners precondition
+    "ekfac_shard": EKFAC_SHARD,
+    "ekfac_shard_accumulate": replace(EKFAC_SHARD, wrap="accumulate"),
+    "ekfac_shard_T1": replace(EKFAC_SHARD, options={**EKFAC_OPTIONS, "T": 1}),
+    "ekfac_shard_tied": replace(EKFAC_SHARD, model="tied"),
+    "fsdp_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp"),
+    "fsdp_conv1d_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp", model="conv1d"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -216,6 +226,9 @@ CASES_W3 = {
     "fsdp_tied_owned": Case(IKFAC, "fsdp", "owned", model="tied"),
     # uneven columns and bias rows (43, 43, 42 and 20, 20, 20 of 60)
     "fsdp_conv1d_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", model="conv1d"),
+    # EKFAC's preconditioning owned: 2 layers on 3 ranks, and uneven columns
+    "ekfac_shard_two": replace(EKFAC_SHARD, model="two"),
+    "fsdp_conv1d_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp", model="conv1d"),
 }
 GRAFT_LATER = Case(SPARSE, "fsdp")
 RESUME_AT = 3
@@ -321,6 +334,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     results["graft_later"] = train_graft_later(GRAFT_LATER)
     conv1d = replace(GRAFT_LATER, model="conv1d")
     results["graft_later/conv1d"] = train_graft_later(conv1d)
+    _resume(results, out, EKFAC_SHARD, "ekfac-shard")  # (owners precondition)
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")
@@ -332,6 +346,8 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         ("owned", "replicate"),
     ):
         _cross(results, out, saved, loaded)
+    for saved, loaded in (("replicate", "shard"), ("shard", "replicate")):
+        _cross(results, out, saved, loaded, EKFAC_SHARD)
     _bytes(results)
     for distribute in ("replicate", "shard", "owned", "factors"):
         results[f"heads/{distribute}"] = train_heads(distribute)
@@ -463,14 +479,23 @@ def _resume(results: dict, out: Path, case: Case, tag: str, files: bool = True) 
     )
 
 
-def _cross(results: dict, out: Path, saved_under: str, loaded_under: str) -> None:
-    tag = f"cross_{saved_under}"
-    if f"cross/{saved_under}" not in results:
-        saved = _checkpoint(Case(SPARSE, distribute=saved_under), out, tag, True)
-        results[f"cross/{saved_under}"] = saved["params"]
+def _cross(
+    results: dict,
+    out: Path,
+    saved_under: str,
+    loaded_under: str,
+    base: Case = SPARSE_SHARD,
+) -> None:
+    """Save under one strategy (a rank-0 file), resume under another."""
+    prefix = "" if base.optimizer == "singd" else f"{base.optimizer}/"
+    tag = f"cross_{base.optimizer}_{saved_under}"
+    if f"cross/{prefix}{saved_under}" not in results:
+        saved_case = replace(base, distribute=saved_under)
+        saved = _checkpoint(saved_case, out, tag, True)
+        results[f"cross/{prefix}{saved_under}"] = saved["params"]
     file = torch.load(out / f"{tag}.pt", weights_only=True)
-    results[f"cross/{saved_under}->{loaded_under}"] = _continue(
-        Case(SPARSE, distribute=loaded_under),
+    results[f"cross/{prefix}{saved_under}->{loaded_under}"] = _continue(
+        replace(base, distribute=loaded_under),
         file["model"],
         lambda net, opt: opt.load_state_dict(file["optimizer"]),
     )[0]
@@ -504,6 +529,7 @@ def _bytes(results: dict[str, Any]) -> None:
         # FSDP2's blocks of Γ to their owners and of Δ back (`owner_blocks`)
         ("fsdp_owned", Case(SPARSE, "fsdp", "owned")),
         ("fsdp_owned_conv1d", Case({**DENSE, "T": 2}, "fsdp", "owned", model="conv1d")),
+        ("ekfac_shard", EKFAC_SHARD),  # (T = 2; its owners precondition)
     ):
         model = build_model(case.model)
         net = wrap(case, model)

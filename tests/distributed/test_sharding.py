@@ -277,6 +277,7 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp-graft-three",
         "fsdp-graft-embed",
         "fsdp-graft-conv1d",
+        "ekfac-shard",
         "fsdp-owned-three",
         "fsdp-owned-conv1d",
         "shard-relay",
@@ -302,6 +303,8 @@ def test_a_resumed_sharded_run_continues_bit_identically(
         ("replicate", "owned"),
         ("shard", "replicate"),
         ("owned", "replicate"),
+        ("ekfac/replicate", "shard"),
+        ("ekfac/shard", "replicate"),
     ],
 )
 def test_checkpoints_load_across_strategies(
@@ -451,6 +454,22 @@ def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
         assert sum(sum(sent[-2:]) for sent in exchanges) == reported["blocks"] > 0
         assert reported["gather"] == 0
         assert all(not result[f"bytes/{name}/{step}"]["all_gather"] for result in w2)
+
+
+def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict]) -> None:
+    """EKFAC under `"shard"`: the step check alone first; on update steps the
+    statistics and each layer's eigenvalue sums all-reduced (every rank
+    updates); the owners' directions in the gather every step; no all-to-all."""
+    for result in w2:
+        for step in (0, 1):
+            recorded = result[f"bytes/ekfac_shard/{step}"]
+            reported = result[f"bytes/ekfac_shard/{step}/reported"]
+            assert recorded["all_gather"] == [reported["gather"]]
+            assert reported["gather"] > 0 and not recorded["all_to_all"]
+            check, *exchange = recorded["all_reduce"]
+            assert check == reported["checks"]
+            assert sum(exchange) == reported["statistics"]
+            assert len(exchange) == (1 + 3 if step == 0 else 0)  # (three layers)
 
 
 def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from singd_curvlinops import KFAC, SINGD, get_structure
+from singd_curvlinops import EKFAC, KFAC, SINGD, get_structure
 from singd_curvlinops.distributed import (
     Replicate,
     Shard,
@@ -61,6 +61,16 @@ def test_bad_distribute_raises(distribute: object, error: type, pattern: str) ->
 def test_bad_shard_options_raise(options: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         Shard(**options)
+
+
+@pytest.mark.parametrize("distribute", [Shard(factors="owned"), Shard(share="factors")])
+def test_ekfac_shards_only_its_preconditioning(distribute: Shard) -> None:
+    """EKFAC updates every factor on every rank (each update reads every rank's
+    per-example gradients): the forms that keep factors on owners, or that
+    share factors, do not apply; `"shard"` does."""
+    with pytest.raises(ValueError, match="only the preconditioning is sharded"):
+        EKFAC(_model(), distribute=distribute)
+    assert isinstance(EKFAC(_model(), distribute="shard").distribution, Shard)
 
 
 @pytest.mark.parametrize(

@@ -326,11 +326,6 @@ def test_diagonal_factors_give_the_diagonal_empirical_fisher() -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_unsupported_combinations_raise() -> None:
-    with pytest.raises(ValueError, match="distribute='replicate'"):
-        EKFAC(model_of("conv"), distribute="shard")
-
-
 @pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
 def test_a_tied_embedding_squares_the_sum_of_both_uses(kfac_approx: str) -> None:
     r"""An embedding tied to the output layer (GPT-2's layout; before 2026-12-04

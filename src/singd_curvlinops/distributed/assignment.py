@@ -380,6 +380,7 @@ def assign_layers(
     *,
     owned: bool,
     share_factors: bool,
+    replicated_updates: bool = False,
 ) -> dict[Layer, Assignment]:
     r"""Assign the layers' work to `world` ranks from their options (module docs).
 
@@ -395,6 +396,9 @@ def assign_layers(
             `owner_blocks`).
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
+        replicated_updates: Whether every rank updates every factor (rules
+            with per-example gradients, EKFAC): then only the preconditioning
+            is balanced.
 
     Returns:
         Per layer, its assignment.
@@ -411,6 +415,8 @@ def assign_layers(
             cost = replace(cost, splittable=other and not share_factors and not whole)
         if share_factors:
             cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
+        if replicated_updates:
+            cost = replace(cost, update=(0.0, 0.0), build=(0.0, 0.0))
         costs.append(cost)
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
         dense_K = structures[0] == "dense"  # (a tied layer's twin: not split)

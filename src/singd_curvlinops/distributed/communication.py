@@ -219,15 +219,8 @@ def bytes_per_step(
     fallback = optimizer.fallback_params
     # the guard's verdicts ride in the gather (`StepGuard.shareable`)
     shared = not any_shards(layers, fallback)
-    step = GatheredStep(
-        stepper,
-        plan,
-        share_state=strategy.factors == "replicated",
-        dense_statistics=False,
-        local_directions=strategy.share == "factors",
-        share_verdicts=shared,
-        world=world,
-    )
+    options = {**strategy.step_options(rule), "dense_statistics": False}
+    step = GatheredStep(stepper, plan, **options, share_verdicts=shared, world=world)
     first, layout = step_layout.layouts(step, layers, [update] * len(layers))
     itemsize = buffer_dtype(layers, groups).itemsize
     gathered = 0

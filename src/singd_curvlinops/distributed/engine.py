@@ -85,6 +85,10 @@ class GatheredStep:
         share_verdicts: Whether the step guard's verdicts on the inputs and the
             factor updates ride in the last gather (first, if there are two),
             instead of an all-reduce of their own (`StepGuard.adopt`).
+        replicated_updates: Whether every rank updates every due layer's
+            factors, as `Replicate` does (rules with per-example gradients,
+            whose updates read every rank's examples in a collective of their
+            own); then only the preconditioning is owned.
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
         buffers: The strategy's message buffers, kept between steps (None:
@@ -100,6 +104,7 @@ class GatheredStep:
         dense_statistics: bool,
         local_directions: bool = False,
         share_verdicts: bool = False,
+        replicated_updates: bool = False,
         world: int | None = None,
         buffers: Buffers | None = None,
     ) -> None:
@@ -109,6 +114,7 @@ class GatheredStep:
         self.dense_statistics = dense_statistics
         self.local_directions = local_directions
         self.share_verdicts = share_verdicts
+        self.replicated_updates = replicated_updates
         self.me, self.world = rank(), world or world_size()
         self.buffers = buffers
         self._relay: Relay | None = None  # (one per step, in `__call__`)
@@ -179,7 +185,9 @@ class GatheredStep:
         """
         if due:
             sides = owned_sides(self.plan[layer], self.me)
-            if self._relay.helped_here(layer) and statistics is not None:
+            if self.replicated_updates:  # (every rank, in the same order)
+                self.stepper.update(layer, statistics)
+            elif self._relay.helped_here(layer) and statistics is not None:
                 self._relay.update_helped(layer, statistics)
             elif self.stepper.rule.splits_sides and (sides or self.share_state):
                 self.stepper.update(layer, statistics, sides)  # () advances counters

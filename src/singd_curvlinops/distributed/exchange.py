@@ -34,8 +34,8 @@ process computes \(\Sigma_r\) from its own rows in that (common) basis, and
 `sum_over_processes` all-reduces them, dividing by \(P^2\) as for \(U_C\):
 \(\Sigma = \frac{1}{P^2} \sum_r \Sigma_r\), then scaled by \(\nu(N)\). The
 processes call it in the same order, since each runs the factor updates of the same
-due layers in the order of `layers` (`Replicate` only: under `Shard` only owners
-would call it).
+due layers in the order of `layers` (under `Shard` too: such a rule's updates
+are not owned, `GatheredStep.replicated_updates`).
 """
 
 from __future__ import annotations

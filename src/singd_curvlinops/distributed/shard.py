@@ -195,6 +195,7 @@ class Shard(DistributionStrategy):
             world,
             owned=self._owned,
             share_factors=self.share == "factors",
+            replicated_updates=rule.per_example,
         )
 
     def statistics_owners(
@@ -252,15 +253,34 @@ class Shard(DistributionStrategy):
         if world_size() == 1:
             super().step(stepper, layers)
             return
+        options = self.step_options(stepper.rule)
         GatheredStep(
             stepper,
             self.plan,
-            share_state=not self._owned,
-            dense_statistics=self._owned,
-            local_directions=self.share == "factors",
+            **options,
             share_verdicts=stepper.guard.shareable,
             buffers=self.buffers,
         )(layers)
+
+    def step_options(self, rule: FactorRule) -> dict[str, bool]:
+        """Return how a `GatheredStep` of this strategy treats factors and directions.
+
+        Args:
+            rule: The factor rule: one with per-example gradients (EKFAC)
+                updates every factor on every rank (each update reads every
+                rank's examples), and only its preconditioning is sharded.
+
+        Returns:
+            `share_state`, `dense_statistics`, `local_directions` and
+            `replicated_updates` (`GatheredStep`'s arguments).
+        """
+        replicated = rule.per_example
+        return {
+            "share_state": not self._owned and not replicated,
+            "dense_statistics": self._owned,
+            "local_directions": self.share == "factors",
+            "replicated_updates": replicated,
+        }
 
     def full_state(
         self,

@@ -60,7 +60,8 @@ class EKFACRule(KFACRule):
     A factor that the structure policy makes diagonal (a dimension over the
     memory budget) is its own eigendecomposition: its basis is the identity, kept
     as nothing. The rule needs the rows of every process in its update (a second
-    collective), so it runs with `distribute="replicate"` only.
+    collective), so every rank updates every factor: under `distribute="shard"`
+    only the preconditioning has owners (`GatheredStep.replicated_updates`).
     """
 
     per_example = True

@@ -7,11 +7,12 @@ step is skipped), `lr_cov = 50` (the trust region limits the factor steps),
 inputs and a loss scaled by 1e100 (factor updates overflow; the statistics
 formed from them overflow at the next step), `lr = 1e308` (the parameter steps
 overflow) and, for KFAC, `damping = 0` with an input channel that is always
-zero (singular damped factors). The ranks must count, report and take what one
-process on the whole batch does: the same skipped steps, discarded updates and
-warnings, and parameters within 1e-10. (A sweep of 816 such configurations
-found the owned form stepping where one process skipped; this is its sample in
-CI.)
+zero (singular damped factors); EKFAC (replicated and sharded preconditioning)
+meets the infinite input and the overflowing step. The ranks must count,
+report and take what one process on the whole batch does: the same skipped
+steps, discarded updates and warnings, and parameters within 1e-10. (A sweep of
+816 such configurations found the owned form stepping where one process
+skipped; this is its sample in CI.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.distributed.harness import (
+    EKFAC_OPTIONS,
     KFAC_OPTIONS,
     SPARSE,
     TOLERANCE,
@@ -69,6 +71,13 @@ def _cases() -> dict[str, tuple[Case, str]]:
     for name, (case, event) in list(cases.items()):  # owned factors under FSDP2
         if name.startswith("owned-"):
             cases[f"fsdp_{name}"] = (replace(case, wrap="fsdp"), event)
+    for mode in ("replicate", "shard"):  # EKFAC (updates on every rank; its
+        # float64 factors of inputs scaled by 1e100 stay finite: no "huge")
+        ekfac = Case(
+            {**EKFAC_OPTIONS, "T": 1}, "ddp", mode, optimizer="ekfac", model="norm"
+        )
+        for event in ("inf", "lrblow"):
+            cases[f"{mode}-{event}-ekfac"] = (ekfac, event)
     return cases
 
 

@@ -73,7 +73,8 @@ for wrap_name in ("ddp", "fsdp"):
     baselines += [
         (f"ekfac replicate model={model}", "ekfac", EKFAC_OPTIONS, "replicate", model)
         for model in ("three", "tied")
-    ]
+    ]  # EKFAC under "shard": owned preconditioning (before 2026-12-05 refused)
+    baselines.append(("ekfac shard", "ekfac", EKFAC_OPTIONS, "shard", "three"))
     for label, optimizer, options, distribute, model in baselines:
         case = Case(
             options=dict(options),

@@ -3,7 +3,8 @@ r"""One step in which owners compute and a single `all_gather` shares the result
 Given an `Assignment` per layer (None: every rank does the layer's work), a step
 
 1. **updates factors** where they are owned (every rank takes the all-reduced
-   statistics; the owner of a side, or of the layer, applies the rule);
+   statistics; the owner of a side, or of the layer, applies the rule; a rule
+   with per-example gradients, EKFAC, on every rank: `replicated_updates`);
 2. **preconditions** where it is owned: the owner of a whole layer computes
    \(\Delta = P_C \Gamma P_K\); a layer split by sides is preconditioned in a
    relay (`relay`): the owner of the other side applies it to \(\Gamma\) right

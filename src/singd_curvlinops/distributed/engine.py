@@ -154,10 +154,13 @@ class GatheredStep:
         first, layout = step_layout.layouts(self, layers, due)
         if first:  # the factors first, then the preconditioning
             self._share(layers, first, {}, slot="factors")
-        exchange = (self._owner, self.me, self.world, dtype, self.buffers)
         deltas, blocks = {}, {}  # FSDP2 shards under owned factors: at owners
         if at_owners:
-            deltas = owner_blocks.precondition(self.stepper, at_owners, *exchange)
+            device = local(at_owners[0].weight).device
+            exchange = owner_blocks.OwnerBlocks(
+                self._owner, self.me, self.world, dtype, device, self.buffers
+            )
+            deltas = exchange.precondition(self.stepper, at_owners)
         # the relayed layers last: their half products arrive meanwhile
         ordered = sorted(layers, key=self.relayed)
         values = {
@@ -168,7 +171,7 @@ class GatheredStep:
         received = self._share(layers, layout, values)
         self._relay.finish()
         if at_owners:  # every rank its block of Δ
-            blocks = owner_blocks.from_owners(at_owners, deltas, *exchange)
+            blocks = exchange.from_owners(at_owners, deltas)
         for layer in layers:
             if layer in received:
                 self._apply(layer, received[layer], layer in sharded)

@@ -2,14 +2,18 @@ r"""FSDP2 shards under owned factors: \(\Gamma\) to its owner, \(\Delta\) back.
 
 Under owned factors only a layer's owner holds \(K\) and \(C\), so no other
 rank can apply a side to its shard of \(\Gamma\), which the scheme of `shards`
-needs. Instead the owner preconditions the whole layer, as under DDP:
+needs. Instead the owner preconditions the whole layer, as under DDP.
 
-1. `to_owners`: every rank sends its block of \(\Gamma\) (rows; or columns, and
-   the bias column beside them: `LayerStepper.gradient`), padded to the largest
-   (`shards.block_shape`), to the layer's owner, in one `all_to_all` for all
-   such layers; the owner puts \(\Gamma\) together (`shards.assemble`).
+`OwnerBlocks` holds one step's context (who owns which layer, this rank, the
+messages' dtype, device and buffers):
+
+1. `OwnerBlocks.to_owners`: every rank sends its block of \(\Gamma\) (rows;
+   or columns, and the bias column beside them: `LayerStepper.gradient`),
+   padded to the largest (`shards.block_shape`), to the layer's owner, in one
+   `all_to_all` for all such layers; the owner puts \(\Gamma\) together
+   (`shards.assemble`).
 2. The owner computes \(\Delta = P_C \Gamma P_K\).
-3. `from_owners`: a second `all_to_all` brings every rank its block of
+3. `OwnerBlocks.from_owners`: a second `all_to_all` brings every rank its block of
    \(\Delta\) (`shards.own_block`), which it applies like its own gradient.
 
 Each block travels with one flag (1: the sender had a gradient; the owner's
@@ -62,161 +66,139 @@ def block_numel(layer: Layer, world_size: int) -> int:
     return rows * columns + 1
 
 
-def precondition(
-    stepper: Any,
-    layers: Sequence[Layer],
-    owner: Owner,
-    me: int,
-    world_size: int,
-    dtype: torch.dtype,
-    buffers: Buffers | None = None,
-) -> dict[Layer, Tensor | None]:
-    r"""Gather \(\Gamma\) on the owners and compute \(\Delta\) there (steps 1, 2).
+class OwnerBlocks:
+    """One step's exchanges of FSDP2 blocks with their layers' owners.
 
     Args:
-        stepper: The shell's per-layer operations (`LayerStepper`).
-        layers: The sharded layers whose owner preconditions them, in the same
-            order on every rank.
         owner: The rank that preconditions a layer.
         me: This rank.
         world_size: The number of ranks.
         dtype: The messages' dtype (holds every block exactly).
-        buffers: The strategy's message buffers (None: allocated here).
-
-    Returns:
-        Per layer that this rank owns, \(\Delta\) (`[d_C, d_K]`; None: no
-        gradient).
-    """
-    gradients = {layer: stepper.gradient(layer) for layer in layers}
-    args = (me, world_size, dtype, buffers)
-    gathered = to_owners(layers, owner, gradients, *args)
-    return {
-        layer: None
-        if grad is None
-        else stepper.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)
-        for layer, grad in gathered.items()
-    }
-
-
-def to_owners(
-    layers: Sequence[Layer],
-    owner: Owner,
-    gradients: dict[Layer, Tensor | None],
-    me: int,
-    world_size: int,
-    dtype: torch.dtype,
-    buffers: Buffers | None = None,
-) -> dict[Layer, Tensor | None]:
-    r"""Gather each layer's \(\Gamma\) on its owner (module docs, step 1).
-
-    Args:
-        layers: The sharded layers, in the same order on every rank.
-        owner: The rank that preconditions a layer.
-        gradients: This rank's block of each layer's \(\Gamma\) (None: no
-            gradient).
-        me: This rank.
-        world_size: The number of ranks.
-        dtype: The messages' dtype (holds every block exactly).
-        buffers: The strategy's message buffers (None: allocated here).
-
-    Returns:
-        For each layer that this rank owns, \(\Gamma\) (`[d_C, d_K]`), or None
-        if no rank had a gradient.
-    """
-    mine = [layer for layer in layers if owner(layer) == me]
-    outgoing = [[] for _ in range(world_size)]
-    for layer in layers:
-        outgoing[owner(layer)].append((layer, gradients[layer]))
-    wire = _Wire(world_size, dtype, local(layers[0].weight).device, buffers)
-    incoming, flags = wire.exchange(outgoing, [mine] * world_size, "to owners")
-    gathered: dict[Layer, Tensor | None] = {}
-    for index, layer in enumerate(mine):
-        gathered[layer] = None
-        if any(flags[sender][index] for sender in range(world_size)):
-            blocks = [_block(layer, sent[index], world_size) for sent in incoming]
-            # (in the gradient's dtype, as the owner's own block would be)
-            gathered[layer] = assemble(layer, blocks).to(local(layer.weight).dtype)
-    return gathered
-
-
-def from_owners(
-    layers: Sequence[Layer],
-    directions: dict[Layer, Tensor | None],
-    owner: Owner,
-    me: int,
-    world_size: int,
-    dtype: torch.dtype,
-    buffers: Buffers | None = None,
-) -> dict[Layer, Tensor | None]:
-    r"""Hand every rank its block of each layer's \(\Delta\) (module docs, step 3).
-
-    Args:
-        layers: The sharded layers, in the same order on every rank.
-        directions: The layers' \(\Delta\) that this rank owns (None: no
-            gradient).
-        owner: The rank that preconditions a layer.
-        me: This rank.
-        world_size: The number of ranks.
-        dtype: The messages' dtype.
-        buffers: The strategy's message buffers (None: allocated here).
-
-    Returns:
-        Per layer, this rank's block of \(\Delta\) (in the layout of its
-        gradient; views of a buffer, valid within the step), or None if the
-        layer has no gradient.
-    """
-    mine = [layer for layer in layers if owner(layer) == me]
-    outgoing = [[] for _ in range(world_size)]
-    for layer in mine:
-        full = directions[layer]
-        for receiver in range(world_size):
-            block = None
-            if full is not None:
-                rows = held(layer, receiver, world_size)
-                block = own_block(layer, full, receiver, world_size, rows)
-            outgoing[receiver].append((layer, block))
-    sources = [
-        [layer for layer in layers if owner(layer) == r] for r in range(world_size)
-    ]
-    wire = _Wire(world_size, dtype, local(layers[0].weight).device, buffers)
-    incoming, flags = wire.exchange(outgoing, sources, "from owners")
-    received: dict[Layer, Tensor | None] = {}
-    for sender, sent in enumerate(sources):
-        for index, layer in enumerate(sent):
-            received[layer] = None
-            if flags[sender][index]:
-                padded = _block(layer, incoming[sender][index], world_size)
-                received[layer] = unpad(layer, padded, local(layer.weight).shape[0])
-    return received
-
-
-class _Wire:
-    """One `all_to_all` of padded blocks, each with its flag, in kept buffers.
-
-    Args:
-        world_size: The number of ranks.
-        dtype: The messages' dtype.
-        device: Their device.
-        buffers: The strategy's message buffers (None: allocated per call).
+        device: The messages' device (the layers').
+        buffers: The strategy's message buffers (None: allocated per exchange).
     """
 
     def __init__(
         self,
+        owner: Owner,
+        me: int,
         world_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        buffers: Buffers | None,
+        buffers: Buffers | None = None,
     ) -> None:
-        self.world_size, self.dtype, self.device = world_size, dtype, device
-        self.buffers = buffers
+        self.owner, self.me, self.world_size = owner, me, world_size
+        self.dtype, self.device, self.buffers = dtype, device, buffers
 
-    def exchange(
+    def precondition(
+        self, stepper: Any, layers: Sequence[Layer]
+    ) -> dict[Layer, Tensor | None]:
+        r"""Gather \(\Gamma\) on the owners and compute \(\Delta\) there (steps 1, 2).
+
+        Args:
+            stepper: The shell's per-layer operations (`LayerStepper`).
+            layers: The sharded layers whose owner preconditions them, in the
+                same order on every rank.
+
+        Returns:
+            Per layer that this rank owns, \(\Delta\) (`[d_C, d_K]`; None: no
+            gradient).
+        """
+        gradients = {layer: stepper.gradient(layer) for layer in layers}
+        return {
+            layer: None
+            if grad is None
+            else stepper.preconditioner(layer, (0, 1)).apply(grad, overwrite=True)
+            for layer, grad in self.to_owners(layers, gradients).items()
+        }
+
+    def to_owners(
+        self, layers: Sequence[Layer], gradients: dict[Layer, Tensor | None]
+    ) -> dict[Layer, Tensor | None]:
+        r"""Gather each layer's \(\Gamma\) on its owner (module docs, step 1).
+
+        Args:
+            layers: The sharded layers, in the same order on every rank.
+            gradients: This rank's block of each layer's \(\Gamma\) (None: no
+                gradient).
+
+        Returns:
+            For each layer that this rank owns, \(\Gamma\) (`[d_C, d_K]`), or
+            None if no rank had a gradient.
+        """
+        mine = self._owned_by(layers)[self.me]
+        outgoing = [[] for _ in range(self.world_size)]
+        for layer in layers:
+            outgoing[self.owner(layer)].append((layer, gradients[layer]))
+        sources = [mine] * self.world_size  # (every rank sends each of them)
+        incoming, flags = self._exchange(outgoing, sources, "to owners")
+        gathered: dict[Layer, Tensor | None] = {}
+        for index, layer in enumerate(mine):
+            gathered[layer] = None
+            if any(flags[sender][index] for sender in range(self.world_size)):
+                blocks = [self._block(layer, sent[index]) for sent in incoming]
+                # (in the gradient's dtype, as the owner's own block would be)
+                whole = assemble(layer, blocks)
+                gathered[layer] = whole.to(local(layer.weight).dtype)
+        return gathered
+
+    def from_owners(
+        self, layers: Sequence[Layer], directions: dict[Layer, Tensor | None]
+    ) -> dict[Layer, Tensor | None]:
+        r"""Hand every rank its block of each layer's \(\Delta\) (module docs, step 3).
+
+        Args:
+            layers: The sharded layers, in the same order on every rank.
+            directions: The layers' \(\Delta\) that this rank owns (None: no
+                gradient).
+
+        Returns:
+            Per layer, this rank's block of \(\Delta\) (in the layout of its
+            gradient; views of a buffer, valid within the step), or None if the
+            layer has no gradient.
+        """
+        sources = self._owned_by(layers)  # (each owner sends its layers' blocks)
+        outgoing = [[] for _ in range(self.world_size)]
+        for layer in sources[self.me]:
+            full = directions[layer]
+            for receiver in range(self.world_size):
+                block = None
+                if full is not None:
+                    rows = held(layer, receiver, self.world_size)
+                    block = own_block(layer, full, receiver, self.world_size, rows)
+                outgoing[receiver].append((layer, block))
+        incoming, flags = self._exchange(outgoing, sources, "from owners")
+        received: dict[Layer, Tensor | None] = {}
+        for sender, sent in enumerate(sources):
+            for index, layer in enumerate(sent):
+                received[layer] = None
+                if flags[sender][index]:
+                    padded = self._block(layer, incoming[sender][index])
+                    rows = local(layer.weight).shape[0]
+                    received[layer] = unpad(layer, padded, rows)
+        return received
+
+    def _owned_by(self, layers: Sequence[Layer]) -> list[list[Layer]]:
+        """Return per rank the layers it owns, in the order of `layers`.
+
+        Args:
+            layers: The layers.
+
+        Returns:
+            One list per rank.
+        """
+        return [
+            [layer for layer in layers if self.owner(layer) == rank]
+            for rank in range(self.world_size)
+        ]
+
+    def _exchange(
         self,
         outgoing: list[list[tuple[Layer, Tensor | None]]],
         sources: list[list[Layer]],
         slot: str,
     ) -> tuple[list[list[Tensor]], list[list[bool]]]:
-        """Send each rank its blocks and receive this rank's.
+        """Send each rank its blocks and receive this rank's, in one `all_to_all`.
 
         Args:
             outgoing: Per receiving rank, this rank's `(layer, block)` for it,
@@ -269,16 +251,14 @@ class _Wire:
         """
         return lend(self.buffers, slot, numel, self.dtype, self.device)
 
+    def _block(self, layer: Layer, message: Tensor) -> Tensor:
+        """Return a received message's padded block.
 
-def _block(layer: Layer, message: Tensor, world_size: int) -> Tensor:
-    """Return a received message's padded block.
+        Args:
+            layer: The layer.
+            message: The numbers of one block's message (`block_numel`).
 
-    Args:
-        layer: The layer.
-        message: The numbers of one block's message (`block_numel`).
-        world_size: The number of ranks.
-
-    Returns:
-        The block: a view, in `block_shape` (the flag, last, left out).
-    """
-    return message[:-1].view(block_shape(layer, world_size))
+        Returns:
+            The block: a view, in `block_shape` (the flag, last, left out).
+        """
+        return message[:-1].view(block_shape(layer, self.world_size))

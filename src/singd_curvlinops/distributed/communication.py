@@ -219,7 +219,7 @@ def bytes_per_step(
     fallback = optimizer.fallback_params
     # the guard's verdicts ride in the gather (`StepGuard.shareable`)
     shared = not any_shards(layers, fallback)
-    options = {**strategy.step_options(rule), "dense_statistics": False}
+    options = strategy.step_options(rule)  # (as the step builds it)
     step = GatheredStep(stepper, plan, **options, share_verdicts=shared, world=world)
     first, layout = step_layout.layouts(step, layers, [update] * len(layers))
     itemsize = buffer_dtype(layers, groups).itemsize

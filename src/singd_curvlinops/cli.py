@@ -28,6 +28,12 @@ import warnings
 import torch
 
 from singd_curvlinops import _arguments as arguments
+from singd_curvlinops._cli_help import (
+    BENCH_DESCRIPTION,
+    BENCH_EPILOG,
+    DEMO_DESCRIPTION,
+    DEMO_EPILOG,
+)
 from singd_curvlinops._paths import output_file, report_write_failure, write_output
 from singd_curvlinops.bench.configurations import configurations, reference_version
 from singd_curvlinops.bench.distributed import run_distributed_bench
@@ -45,74 +51,6 @@ DEMO_PLOT = "singd-curvlinops-demo.png"
 #: Exit status after a closed output pipe: that of a process stopped by SIGPIPE
 #: (128 + 13), which is what shells report for `yes | head -1`.
 EXIT_CLOSED_PIPE = 141
-
-
-_DEMO_DESCRIPTION = """\
-Train the same small CNN on scikit-learn's digits (bundled, no download) with
-each optimizer: same initial weights, same mini-batch order. Prints a table and
-writes a PNG plot of the loss curves. Needs the examples extra:
-pip install "singd-curvlinops[examples]".
-"""
-
-_DEMO_EPILOG = """\
-optimizers (--optimizers, comma-separated):
-  singd:STRUCTURE   SINGD, both Kronecker factors of every layer in STRUCTURE, e.g.
-                    dense, diagonal, block30diagonal, hierarchical15_15,
-                    triltoeplitz (plain `singd` means dense)
-  ikfac[:STRUCTURE] IKFAC: SINGD with kfac_like=True (default structure dense)
-  kfac              the KFAC baseline (dense factors, damped inverses every T steps)
-  adamw, sgd        torch.optim.AdamW and torch.optim.SGD with momentum
-
-table columns:
-  final train loss  mean cross-entropy on the whole training set after training
-  test accuracy     on the 450 held-out digits after the last epoch
-  ms/step           wall-clock time of zero_grad + forward + backward + step,
-                    averaged over all steps of the run (runs one after the other:
-                    use `singd-curvlinops bench` for interleaved timings)
-  state MiB         tensors in the optimizer's state after training
-
-example:
-  singd-curvlinops demo --epochs 3 --optimizers singd:diagonal,ikfac,adamw
-"""
-
-_BENCH_DESCRIPTION = """\
-Time and memory per training step of SINGD per structure, the reference singd,
-KFAC, AdamW and SGD, interleaved in one process (float32, CPU). Prints one
-Markdown table per model.
-"""
-
-_BENCH_EPILOG = """\
-rows per model: SINGD per structure and T, the reference singd (when installed
-and it has the structure), KFAC per T, AdamW, SGD. Every configuration trains its
-own copy of one seeded model on a fixed mini-batch; all are timed in blocks of
---steps-per-block steps, round-robin over --rounds rounds (median reported).
-
-columns:
-  ms/step        median time of zero_grad + forward + backward + step
-  × AdamW        ms/step divided by AdamW's on the same model
-  ours / ref     ms/step of SINGD divided by the reference's (same structure, T)
-  step peak MiB  the most memory one step allocates and holds at once, from
-                 torch.profiler's allocation events (largest over T steps, so a
-                 factor update is included); parameters, batch and state excluded
-  state MiB      tensors in the optimizer's state (and the reference's factors)
-  final loss     on the fixed batch after all steps
-
-models: mlp 784-512-512-10 (batch 128); cnn three stride-2 3x3 convolutions on
-3x32x32 images and a linear layer (batch 64); seq a per-token MLP 256-256-256-10
-on [16, 64, 256] tokens (loss_average="batch+sequence").
-
-example:
-  singd-curvlinops bench --models mlp --structures diagonal --T 10 --rounds 3
-
-distributed (--distributed, started by torchrun; gloo on CPU):
-  torchrun --nproc_per_node 2 -m singd_curvlinops bench --distributed
-  times SINGD with distribute="replicate", "shard", Shard(share="factors") and
-  Shard(factors="owned") on the processes (DDP, each on its share of the batch,
-  one torch thread each unless --threads), default structure dense; prints one
-  table with the slowest process's ms/step (median and spread over the rounds),
-  the ratio to replicate, the factor state of the process that holds the most,
-  and the bytes the collectives move; with --fsdp the model is sharded by FSDP2.
-"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +82,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
         help="train a small CNN on scikit-learn's digits with every optimizer",
-        description=_DEMO_DESCRIPTION,
-        epilog=_DEMO_EPILOG,
+        description=DEMO_DESCRIPTION,
+        epilog=DEMO_EPILOG,
         formatter_class=arguments.Formatter,
     )
     add = demo.add_argument
@@ -213,8 +151,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench",
         help="time and memory per training step, all optimizers interleaved",
-        description=_BENCH_DESCRIPTION,
-        epilog=_BENCH_EPILOG,
+        description=BENCH_DESCRIPTION,
+        epilog=BENCH_EPILOG,
         formatter_class=arguments.Formatter,
     )
     add = bench.add_argument
@@ -276,6 +214,12 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help="time replicate against shard on the processes of torchrun (below)",
     )
     add("--fsdp", action="store_true", help="with --distributed: FSDP2, not DDP")
+    add(
+        "--optimizer",
+        choices=("singd", "ekfac"),
+        default="singd",
+        help="with --distributed: the optimizer timed (default: %(default)s)",
+    )
     add(
         "--json",
         type=output_file(".json"),
@@ -397,6 +341,10 @@ def _check_combinations(
     elif args.command == "bench":
         if args.fsdp and not args.distributed:
             parser.error("bench: --fsdp shards the model of --distributed; add it.")
+        if args.optimizer != "singd" and not args.distributed:
+            parser.error("bench: --optimizer chooses for --distributed; add it.")
+        if args.optimizer == "ekfac" and args.structures:
+            parser.error("bench: EKFAC's structures are 'auto'; drop --structures.")
         if args.distributed and "WORLD_SIZE" not in os.environ:
             parser.error(
                 "bench --distributed runs on the processes of torchrun: start it "

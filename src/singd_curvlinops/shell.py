@@ -119,8 +119,9 @@ class KroneckerOptimizer(
                 raise ValueError(
                     f"distribute={distribute!r}: {type(self).__name__} updates "
                     "its factors on every rank (each update reads every rank's "
-                    "per-example gradients), so only the preconditioning is "
-                    "sharded: use distribute='shard' or 'replicate'."
+                    "per-example gradients), so its factors cannot be owned or "
+                    "shared; only the preconditioning and the eigendecompositions "
+                    "are sharded: use distribute='shard' or 'replicate'."
                 )
         self._collector = StatisticsCollector(
             self._collection_plan, type(self).__name__

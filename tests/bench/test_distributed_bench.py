@@ -7,11 +7,8 @@ import torch
 from torch import nn
 
 from singd_curvlinops import SINGD
-from singd_curvlinops.bench.distributed import (
-    _add_ratios,
-    factor_bytes,
-    markdown_table,
-)
+from singd_curvlinops.bench.distributed import _add_ratios, factor_bytes
+from singd_curvlinops.bench.distributed_report import markdown_table
 from singd_curvlinops.cli import main
 
 
@@ -40,6 +37,26 @@ def test_fsdp_without_distributed_exits_with_a_hint(capsys):
     assert "--fsdp shards the model of --distributed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizer", "ekfac"], "--optimizer chooses for --distributed"),
+        (
+            ["--distributed", "--optimizer", "ekfac", "--structures", "dense"],
+            "EKFAC's structures are 'auto'",
+        ),
+    ],
+)
+def test_ekfac_options_that_do_not_apply_exit_with_a_hint(
+    argv, message, monkeypatch, capsys
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_factor_bytes_count_the_factors_and_momenta_only():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -48,10 +65,11 @@ def test_factor_bytes_count_the_factors_and_momenta_only():
     assert factor_bytes(optimizer) == 2 * entries * 4  # and their momenta, float32
 
 
-def _record(strategy: str, blocks: list[float]) -> dict:
+def _record(strategy: str, blocks: list[float], optimizer: str = "singd") -> dict:
     """A record of `measure_distributed` as the ratios and the table read it."""
     return {
         "model": "mlp",
+        "optimizer": optimizer,
         "structure": "dense",
         "T": 1,
         "strategy": strategy,
@@ -83,3 +101,16 @@ def test_paired_ratio_is_robust_to_drift_between_rounds():
         if line.startswith("| mlp | 1 | shard |")
     ]
     assert len(rows) == 1 and "| 0.65× | 0.60× |" in rows[0]
+
+
+def test_ekfac_rows_have_their_own_reference_and_label():
+    """EKFAC's shard is compared with EKFAC's replicate, not SINGD's."""
+    singd = _record("replicate", [100.0])
+    replicate = _record("replicate", [200.0], optimizer="ekfac")
+    shard = _record("shard", [150.0], optimizer="ekfac")
+    records = [singd, replicate, shard]
+    _add_ratios(records)
+    assert shard["vs_replicate"] == pytest.approx(0.75)
+    table = markdown_table(records)
+    assert "| mlp, EKFAC | 1 | shard | 150.0 |" in table
+    assert "| mlp | 1 | replicate | 100.0 |" in table

@@ -367,7 +367,8 @@ def train_with_event(case: Case, event: str, world: int, rank: int) -> dict[str,
 
     Events: `"inf"` (step 2: an infinite input, in rank 0's share), `"huge"`
     (step 3: inputs and loss times 1e100, `lr` 1e-230), `"wide"` (step 3: inputs
-    times 1e150), `"lrblow"` (step 2: `lr` 1e308), `"singular"` (the first
+    times 1e150), `"overflow"` (step 3: inputs times 1e160, whose float64
+    factors overflow), `"lrblow"` (step 2: `lr` 1e308), `"singular"` (the first
     input channel always zero, and from step 2 `damping` 0: KFAC's damped
     factors of the convolution are singular); any other name changes nothing
     (`"trust"`: the case's `lr_cov` is the event). Without a process group: one
@@ -395,6 +396,8 @@ def train_with_event(case: Case, event: str, world: int, rank: int) -> dict[str,
             X, factor, lr = X * 1e100, 1e100, 1e-230
         elif step == 3 and event == "wide":
             X = X * 1e150
+        elif step == 3 and event == "overflow":  # (float64 products of 1e160)
+            X = X * 1e160
         elif step == 2 and event == "lrblow":
             lr = 1e308
         elif event == "singular":

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops import KFAC, SINGD
 from singd_curvlinops.bench.distributed import (
+    EKFAC_STRATEGIES,
     STRATEGIES,
     Setting,
     measure_distributed,
@@ -366,6 +367,10 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     results["bench"] = measure_distributed(settings, 1, 1, 0)
     settings = [Setting("cnn", "dense", 1, name, fsdp=True) for name in STRATEGIES]
     results["bench_fsdp"] = measure_distributed(settings, 1, 1, 0)
+    ekfac = [
+        Setting("cnn", "auto", 1, name, optimizer="ekfac") for name in EKFAC_STRATEGIES
+    ]
+    results["bench_ekfac"] = measure_distributed(ekfac, 1, 1, 0)
 
 
 def train_w3(results: dict[str, Any], out: Path) -> None:

@@ -72,11 +72,12 @@ def _cases() -> dict[str, tuple[Case, str]]:
         if name.startswith("owned-"):
             cases[f"fsdp_{name}"] = (replace(case, wrap="fsdp"), event)
     for mode in ("replicate", "shard"):  # EKFAC (updates on every rank; its
-        # float64 factors of inputs scaled by 1e100 stay finite: no "huge")
+        # float64 factors of inputs scaled by 1e100 stay finite: no "huge"; those
+        # of 1e160 overflow, and every rank skips the step before decomposing)
         ekfac = Case(
             {**EKFAC_OPTIONS, "T": 1}, "ddp", mode, optimizer="ekfac", model="norm"
         )
-        for event in ("inf", "lrblow"):
+        for event in ("inf", "lrblow", "overflow"):
             cases[f"{mode}-{event}-ekfac"] = (ekfac, event)
     return cases
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from singd_curvlinops.bench.distributed import STRATEGIES, markdown_table
+from singd_curvlinops.bench.distributed import EKFAC_STRATEGIES, STRATEGIES
+from singd_curvlinops.bench.distributed_report import markdown_table
 from tests.distributed.harness import (
     CLASSES,
     DENSE,
@@ -459,12 +460,14 @@ def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
 def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict]) -> None:
     """EKFAC under `"shard"`: the step check alone first; on update steps the
     statistics and each layer's eigenvalue sums all-reduced (every rank
-    updates); the owners' directions in the gather every step; no all-to-all."""
+    updates) and the eigenbases gathered from the ranks that computed them;
+    the owners' directions in the gather every step; no all-to-all."""
     for result in w2:
         for step in (0, 1):
             recorded = result[f"bytes/ekfac_shard/{step}"]
             reported = result[f"bytes/ekfac_shard/{step}/reported"]
-            assert recorded["all_gather"] == [reported["gather"]]
+            assert len(recorded["all_gather"]) == (2 if step == 0 else 1)
+            assert sum(recorded["all_gather"]) == reported["gather"]
             assert reported["gather"] > 0 and not recorded["all_to_all"]
             check, *exchange = recorded["all_reduce"]
             assert check == reported["checks"]
@@ -487,6 +490,19 @@ def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> No
     assert replicate["plain_bytes"]["gather"] == 0 < shard["plain_bytes"]["gather"]
     table = markdown_table(records)
     assert table.count("\n") == len(records) + 1 and "| cnn | 1 | shard |" in table
+
+
+def test_the_distributed_benchmark_times_ekfac(w2: list[dict]) -> None:
+    """`bench --distributed --optimizer ekfac`: replicate and shard; the update
+    step gathers the eigenbases besides the directions."""
+    records = w2[0]["bench_ekfac"]
+    assert [r["strategy"] for r in records] == list(EKFAC_STRATEGIES)
+    replicate, shard = records
+    assert {r["optimizer"] for r in records} == {"ekfac"}
+    assert replicate["update_bytes"]["gather"] == 0
+    assert shard["update_bytes"]["gather"] > shard["plain_bytes"]["gather"] > 0
+    assert shard["factor_mib"] == replicate["factor_mib"]  # (replicated state)
+    assert "| cnn, EKFAC | 1 | shard |" in markdown_table(records)
 
 
 def test_the_distributed_benchmark_shards_with_fsdp2(w2: list[dict]) -> None:

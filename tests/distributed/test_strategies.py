@@ -68,7 +68,7 @@ def test_ekfac_shards_only_its_preconditioning(distribute: Shard) -> None:
     """EKFAC updates every factor on every rank (each update reads every rank's
     per-example gradients): the forms that keep factors on owners, or that
     share factors, do not apply; `"shard"` does."""
-    with pytest.raises(ValueError, match="only the preconditioning is sharded"):
+    with pytest.raises(ValueError, match="its factors cannot be owned or shared"):
         EKFAC(_model(), distribute=distribute)
     assert isinstance(EKFAC(_model(), distribute="shard").distribution, Shard)
 

@@ -34,8 +34,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from singd_curvlinops import SINGD
-from singd_curvlinops.bench.configurations import SINGD_HYPERPARAMETERS
+from singd_curvlinops import EKFAC, SINGD
+from singd_curvlinops.bench.configurations import (
+    KFAC_HYPERPARAMETERS,
+    SINGD_HYPERPARAMETERS,
+)
+from singd_curvlinops.bench.distributed_report import markdown_table, preamble
 from singd_curvlinops.bench.memory import MIB
 from singd_curvlinops.bench.workloads import build_workload, train_step
 from singd_curvlinops.distributed import Shard, bytes_per_step
@@ -48,6 +52,9 @@ STRATEGIES: dict[str, Any] = {
     "shard, share factors": Shard(share="factors"),
     "shard, owned factors": Shard(factors="owned"),
 }
+# EKFAC repeats its updates on every rank (they read every rank's examples):
+# it has no owned or shared-factors form, and its structures are "auto"
+EKFAC_STRATEGIES = ("replicate", "shard")
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class Setting:
         T: Factor update interval.
         strategy: A label of `STRATEGIES`.
         fsdp: Whether FSDP2 shards the model (else DDP wraps it).
+        optimizer: `"singd"`, or `"ekfac"` (`EKFAC` with the benchmark's KFAC
+            hyperparameters; `structure` is then `"auto"`).
     """
 
     model: str
@@ -67,6 +76,7 @@ class Setting:
     T: int
     strategy: str
     fsdp: bool = False
+    optimizer: str = "singd"
 
 
 def _largest(value: float) -> float:
@@ -120,14 +130,18 @@ def _build(
     inputs, targets = workload.inputs[share], workload.targets[share]
     model = copy.deepcopy(workload.model)
     model = sharded(model) if setting.fsdp else DistributedDataParallel(model)
-    optimizer = SINGD(
-        model,
-        T=setting.T,
-        loss_average=workload.loss_average,
-        structures=(setting.structure, setting.structure),
-        distribute=STRATEGIES[setting.strategy],
-        **SINGD_HYPERPARAMETERS,
-    )
+    options = {
+        "T": setting.T,
+        "loss_average": workload.loss_average,
+        "distribute": STRATEGIES[setting.strategy],
+    }
+    if setting.optimizer == "ekfac":
+        optimizer = EKFAC(model, **options, **KFAC_HYPERPARAMETERS)
+    else:
+        structures = (setting.structure, setting.structure)
+        optimizer = SINGD(
+            model, structures=structures, **options, **SINGD_HYPERPARAMETERS
+        )
     rows = statistics_rows(optimizer, model, inputs)
     return optimizer, lambda: train_step(model, optimizer, inputs, targets), rows
 
@@ -269,6 +283,7 @@ def _record(
     ) / setting.T
     return {
         "model": setting.model,
+        "optimizer": setting.optimizer,
         "structure": setting.structure,
         "T": setting.T,
         "strategy": setting.strategy,
@@ -294,7 +309,7 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
     Args:
         records: Records of `measure_distributed`.
     """
-    key = lambda r: (r["model"], r["structure"], r["T"])  # noqa: E731
+    key = lambda r: (r["model"], r["optimizer"], r["structure"], r["T"])  # noqa: E731
     base = {key(r): r for r in records if r["strategy"] == "replicate"}
     for record in records:
         reference = base.get(key(record))
@@ -315,69 +330,6 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
             )
 
 
-_HEADER = (
-    "model",
-    "T",
-    "strategy",
-    "ms/step",
-    "spread",
-    "× replicate",
-    "paired",
-    "factor state/rank MiB",
-    "× replicate",
-    "statistics MiB/update",
-    "gathered MiB update / other",
-    "relay MiB/step",
-    "blocks MiB/step",
-    "MiB/step",
-)
-
-
-def markdown_table(records: list[dict[str, Any]]) -> str:
-    """Render the records as one Markdown table.
-
-    Args:
-        records: Records of `measure_distributed`.
-
-    Returns:
-        The table: one row per setting.
-    """
-    lines = ["| " + " | ".join(_HEADER) + " |", "|---|---:|---" + "|---:" * 11 + "|"]
-    for r in records:
-        times = r["block_ms_per_step"]
-        update, plain = r["update_bytes"], r["plain_bytes"]
-        cells = [
-            r["model"],
-            str(r["T"]),
-            r["strategy"],
-            f"{r['ms_per_step']:.1f}",
-            f"{min(times):.0f}–{max(times):.0f}",
-            _ratio(r["vs_replicate"]),
-            _ratio(r["vs_replicate_paired"]),
-            f"{r['factor_mib']:.2f}",
-            _ratio(r["factor_vs_replicate"]),
-            f"{update['statistics'] / MIB:.2f}",
-            f"{update['gather'] / MIB:.2f} / {plain['gather'] / MIB:.2f}",
-            f"{update['relay'] / MIB:.2f}",
-            f"{update['blocks'] / MIB:.2f}",
-            f"{r['mib_per_step']:.2f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _ratio(value: float | None) -> str:
-    """Format a ratio, or a dash where there is none.
-
-    Args:
-        value: The ratio, or None.
-
-    Returns:
-        E.g. `"0.61×"`.
-    """
-    return "—" if value is None else f"{value:.2f}×"
-
-
 def run_distributed_bench(args: Any) -> int:
     """Run `singd-curvlinops bench --distributed` on the processes of torchrun.
 
@@ -391,12 +343,14 @@ def run_distributed_bench(args: Any) -> int:
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # torchrun sets rank, world size, address
     torch.set_num_threads(args.threads or 1)
+    ekfac = args.optimizer == "ekfac"
+    structures = ["auto"] if ekfac else args.structures or ["dense"]
     settings = [
-        Setting(model, structure, T, strategy, args.fsdp)
+        Setting(model, structure, T, strategy, args.fsdp, args.optimizer)
         for model in args.models
-        for structure in args.structures or ["dense"]
+        for structure in structures
         for T in args.T
-        for strategy in STRATEGIES
+        for strategy in (EKFAC_STRATEGIES if ekfac else STRATEGIES)
     ]
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     records = measure_distributed(
@@ -410,39 +364,3 @@ def run_distributed_bench(args: Any) -> int:
                 json.dump(records, file, indent=2)
     dist.destroy_process_group()
     return 0
-
-
-def preamble(args: Any) -> str:
-    """Return the paragraph that states what the table measures.
-
-    Args:
-        args: The parsed command line.
-
-    Returns:
-        One paragraph of Markdown.
-    """
-    wrapper = "DistributedDataParallel"
-    gradients = "DDP's gradient all-reduce"
-    if args.fsdp:
-        wrapper = "FSDP2 (a unit per module with parameters, and the root)"
-        gradients = "FSDP2's parameter all-gathers and gradient reduce-scatters"
-    return (
-        f"torch {torch.__version__}, float32, CPU, gloo, {dist.get_world_size()} "
-        f"processes with {torch.get_num_threads()} torch thread(s) each, "
-        f"{wrapper}, each process on its share of the batch; median "
-        f"(and fastest–slowest) of {args.rounds} blocks of {args.steps_per_block} "
-        f"steps of the slowest process, {args.warmup} warm-up steps, all settings "
-        "interleaved. `× replicate`: the ratio of the medians; `paired`: the "
-        "median over the rounds of the ratio to replicate's block of the same "
-        "round. `factor state/rank`: the rule's entries (factors, momenta) "
-        "of the process that holds the most; `statistics`: the statistics "
-        "exchange of an update step (an all-reduce under replicate; under shard "
-        "each side's statistics sent to its owner in one all-to-all); `gathered`: the "
-        "all_gather(s) of an update step and of "
-        "another step (what every process receives); `relay`: the point-to-point "
-        "half products (and a helper's factors) of split layers, every step, all "
-        "processes' messages together; `blocks`: FSDP2's blocks of the gradients "
-        "to their owners and of the directions back under owned factors, every "
-        "step, all processes' messages together; `MiB/step`: all of it averaged "
-        f"over T steps, without {gradients}."
-    )

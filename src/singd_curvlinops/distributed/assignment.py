@@ -64,6 +64,10 @@ from functools import lru_cache
 
 import torch
 
+from singd_curvlinops.distributed.decomposition_plan import (
+    assign_decompositions,
+    decomposition_costs,
+)
 from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, SINGDRule
@@ -114,12 +118,16 @@ class Assignment:
             \(C\) kept and updated by every rank); `owners` is then unused.
         helper: Under owned factors, the rank that applies the side that is not
             the anchor (the owner sends it that factor); None: no helper.
+        decomposers: For a rule whose updates every rank repeats but whose
+            sides' decompositions one rank computes (`FactorRule.decompose`),
+            the rank of each side's; None: no side is decomposed.
     """
 
     owners: tuple[int, int]
     anchor: int | None = None
     columns: bool = False
     helper: int | None = None
+    decomposers: tuple[int, int] | None = None
 
     @property
     def direction_owner(self) -> int:
@@ -397,8 +405,9 @@ def assign_layers(
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
         replicated_updates: Whether every rank updates every factor (rules
-            with per-example gradients, EKFAC): then only the preconditioning
-            is balanced.
+            with per-example gradients, EKFAC): then the preconditioning is
+            balanced, and apart from it the sides' decompositions
+            (`decomposition_plan`).
 
     Returns:
         Per layer, its assignment.
@@ -428,4 +437,9 @@ def assign_layers(
             and not whole
         )
     plan = assign(costs, world, entries, columns, helpers=owned)
+    if replicated_updates:
+        decomposed = [decomposition_costs(layer, groups, rule) for layer in layers]
+        if any(map(any, decomposed)):
+            ranks = assign_decompositions(decomposed, world)
+            plan = [replace(a, decomposers=r) for a, r in zip(plan, ranks, strict=True)]
     return dict(zip(layers, plan, strict=True))

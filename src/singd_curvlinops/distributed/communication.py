@@ -13,7 +13,9 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   gathers (`column_bounds`: \(d_K\) numbers per layer and iteration, two
   peaks and a squared norm).
   Factors travel on update steps (`factors="replicated"`), preconditioned
-  gradients (or FSDP2's rows, or column blocks' terms) on every step.
+  gradients (or FSDP2's rows, or column blocks' terms) on every step. EKFAC's
+  update steps add the gather of its eigenbases (`decompositions`: \(d^2 + 1\)
+  numbers per dense side, each rank's padded to the largest).
 - **relay**: the point-to-point messages of split layers (`relay`):
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
@@ -62,7 +64,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
-from singd_curvlinops.distributed import collectives, step_layout
+from singd_curvlinops.distributed import collectives, decompositions, step_layout
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
@@ -227,6 +229,8 @@ def bytes_per_step(
     for items in ([first] if first else []) + [layout]:
         shares = [sum(item.numel for item in share) for share in items]
         gathered += world * max(shares) * itemsize
+    if update and options["replicated_updates"]:  # (EKFAC's eigenbases)
+        gathered += decompositions.gathered_bytes(layers, plan, rule, groups, world)
     split = [layer for layer in layers if plan[layer].columns]
     if update and split:
         gathered += _column_bytes(split, groups, world)

@@ -4,7 +4,8 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
 
 1. **updates factors** where they are owned (every rank takes the all-reduced
    statistics; the owner of a side, or of the layer, applies the rule; a rule
-   with per-example gradients, EKFAC, on every rank: `replicated_updates`);
+   with per-example gradients, EKFAC, on every rank: `replicated_updates`,
+   each eigendecomposition computed by one rank and shared: `decompositions`);
 2. **preconditions** where it is owned: the owner of a whole layer computes
    \(\Delta = P_C \Gamma P_K\); a layer split by sides is preconditioned in a
    relay (`relay`): the owner of the other side applies it to \(\Gamma\) right
@@ -47,6 +48,7 @@ from torch import Tensor
 
 from singd_curvlinops.distributed import (
     columns,
+    decompositions,
     formed_statistics,
     owner_blocks,
     shards,
@@ -89,7 +91,8 @@ class GatheredStep:
         replicated_updates: Whether every rank updates every due layer's
             factors, as `Replicate` does (rules with per-example gradients,
             whose updates read every rank's examples in a collective of their
-            own); then only the preconditioning is owned.
+            own); then the preconditioning is owned, and so is each side's
+            decomposition, shared before the updates (`decompositions`).
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
         buffers: The strategy's message buffers, kept between steps (None:
@@ -135,6 +138,16 @@ class GatheredStep:
             lambda layer: bool(owned_sides(self.plan[layer], self.me)),
             form=self.dense_statistics,
         )
+        if self.replicated_updates:  # (each decomposition on one rank, shared)
+            taken = decompositions.share(
+                self.stepper,
+                self.plan,
+                list(taken),
+                taken,
+                self.me,
+                self.world,
+                self.buffers,
+            )
         columns.step(self.stepper, [(layer, is_due[layer]) for layer in split])
         relayed = [layer for layer in layers if self.relayed(layer)]
         at_owners = [layer for layer in layers if self.at_owner(layer)]

@@ -52,8 +52,8 @@ from singd_curvlinops.distributed.buffers import Buffers, lend
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules.base import FactorStatistics
 from singd_curvlinops.rules.factors import load_factor
+from singd_curvlinops.rules.records import FactorStatistics
 from singd_curvlinops.rules.singd import caches_for_one_use
 from singd_curvlinops.structures import DenseMatrix
 from singd_curvlinops.update import precondition_input_side, precondition_output_side

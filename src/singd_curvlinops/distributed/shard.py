@@ -268,7 +268,8 @@ class Shard(DistributionStrategy):
         Args:
             rule: The factor rule: one with per-example gradients (EKFAC)
                 updates every factor on every rank (each update reads every
-                rank's examples), and only its preconditioning is sharded.
+                rank's examples), and only its preconditioning and its sides'
+                decompositions are sharded (`decompositions`).
 
         Returns:
             `share_state`, `dense_statistics`, `local_directions` and

@@ -5,13 +5,10 @@
 holds.
 """
 
-from singd_curvlinops.rules.base import (
-    FactorRule,
-    FactorStatistics,
-    Preconditioner,
-)
+from singd_curvlinops.rules.base import FactorRule
 from singd_curvlinops.rules.ekfac import EigenbasisPreconditioner, EKFACRule
 from singd_curvlinops.rules.kfac import KFACRule
+from singd_curvlinops.rules.records import FactorStatistics, Preconditioner
 from singd_curvlinops.rules.singd import SINGDRule
 
 __all__ = [

@@ -43,14 +43,15 @@ curvlinops).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from singd_curvlinops.rules.base import FactorStatistics, Preconditioner
 from singd_curvlinops.rules.kfac import KFACRule
+from singd_curvlinops.rules.records import FactorStatistics, Preconditioner
 from singd_curvlinops.structures import DenseMatrix, DiagonalMatrix
 
 
@@ -61,7 +62,8 @@ class EKFACRule(KFACRule):
     memory budget) is its own eigendecomposition: its basis is the identity, kept
     as nothing. The rule needs the rows of every process in its update (a second
     collective), so every rank updates every factor: under `distribute="shard"`
-    only the preconditioning has owners (`GatheredStep.replicated_updates`).
+    the preconditioning has owners, and so has each eigendecomposition, the
+    update's costliest part (`decompose`; `GatheredStep.replicated_updates`).
     """
 
     per_example = True
@@ -105,22 +107,47 @@ class EKFACRule(KFACRule):
                 "EKFAC's eigenvalue correction needs the per-example gradients of "
                 "the training pass; handed-over factors carry none."
             )
-        beta = group["ema_decay"] if state["updates"] else 0.0
+        beta = self._decay(state, group)
         super().update(state, group, statistics, preconditioner, sides=sides)
+        given = statistics.decompositions  # (computed by another rank, or None)
         bases = []
-        for prefix, _ in self.factor_sides:
-            basis = state.get(f"Q_{prefix}.mat")
-            factor = state.get(f"{prefix}.mat")
-            # a diagonal factor's basis is the identity; a factor that is not
-            # finite keeps its basis (the optimizer discards this update)
-            if basis is not None and bool(factor.isfinite().all()):
-                basis.copy_(_eigenbasis(factor))
+        for side, (prefix, _) in enumerate(self.factor_sides):
+            basis = state.get(f"Q_{prefix}.mat")  # (a diagonal factor has none)
+            if basis is not None:
+                fresh = _fresh(state[f"{prefix}.mat"]) if given is None else given[side]
+                if fresh is not None:
+                    basis.copy_(fresh)
             bases.append(basis)
         eigenvalues = state["eigenvalues"]
         fresh = statistics.examples.squared_projections(
             *bases, dims=eigenvalues.shape[::-1], device=eigenvalues.device
         )
         eigenvalues.mul_(beta).add_(fresh.to(eigenvalues.dtype), alpha=1.0 - beta)
+
+    def decomposed_sides(self, group: Mapping[str, Any]) -> tuple[int, ...]:
+        """Return the dense sides: their eigenbases are recomputed in each update."""
+        return tuple(
+            side
+            for _, side in self.factor_sides
+            if group["structures"][side] == "dense"
+        )
+
+    def decompose(
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        statistics: FactorStatistics,
+        side: int,
+    ) -> Tensor | None:
+        r"""Return the eigenbasis of a dense side's averaged factor (`update`'s).
+
+        A failing eigendecomposition raises `update`'s `ValueError`.
+
+        Returns:
+            The eigenvectors, or None if the averaged factor is not finite (the
+            side keeps its basis, and the optimizer discards the update).
+        """
+        return _fresh(self.averaged(state, group, statistics, side).mat)
 
     def preconditioner(
         self,
@@ -262,6 +289,19 @@ class EigenbasisPreconditioner(Preconditioner):
         inverse = self.inverse_eigenvalues[:, columns]
         rotated = rotated * inverse.to(rotated.dtype)
         return (Q_C @ rotated.to(Q_C.dtype)) * q.to(Q_C.dtype)
+
+
+def _fresh(factor: Tensor) -> Tensor | None:
+    """Return a factor's new eigenbasis, or None if the factor is not finite.
+
+    Args:
+        factor: The averaged symmetric factor.
+
+    Returns:
+        `_eigenbasis(factor)`; None keeps the previous basis (the optimizer
+        discards the update of a factor that is not finite).
+    """
+    return _eigenbasis(factor) if bool(factor.isfinite().all()) else None
 
 
 def _eigenbasis(factor: Tensor) -> Tensor:

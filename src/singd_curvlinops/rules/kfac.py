@@ -24,12 +24,9 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops._hyperparameters import check_common, check_number
-from singd_curvlinops.rules.base import (
-    FactorRule,
-    FactorStatistics,
-    Preconditioner,
-)
+from singd_curvlinops.rules.base import FactorRule
 from singd_curvlinops.rules.factors import gram, load_factor, store_factor
+from singd_curvlinops.rules.records import FactorStatistics, Preconditioner
 from singd_curvlinops.structures import (
     DenseMatrix,
     DiagonalMatrix,
@@ -142,22 +139,84 @@ class KFACRule(FactorRule):
         sides: tuple[int, ...] = (0, 1),
     ) -> None:
         r"""Average the statistics into \(A\), \(G\) (the first update: as they are)."""
-        names = group["structures"]
-        factors = [load_factor(state, p, names[side]) for p, side in self.factor_sides]
-        if statistics.handed_over is not None:
-            U = tuple(
-                self.project_dense(preconditioner, U.to(F.dtype), side, group=group)
-                for side, (F, U) in enumerate(
-                    zip(factors, statistics.handed_over, strict=True)
-                )
-            )
-        else:
-            U = statistics.collected
-        beta = group["ema_decay"] if state["updates"] else 0.0
+        factors = self.factors(state, group)
+        U = self._new_statistics(factors, group, statistics, preconditioner)
+        beta = self._decay(state, group)
         for side, factor in enumerate(factors):
             if side in sides:  # the factors' tensors are the state's: in place
                 factor.mul_(beta).add_(U[side].to(factor.dtype), alpha=1.0 - beta)
         state["updates"] += 1
+
+    def factors(
+        self, state: dict[str, Any], group: Mapping[str, Any]
+    ) -> list[StructuredMatrix]:
+        r"""Return \(A\) and \(G\) (their tensors are the state's).
+
+        Args:
+            state: The layer's state.
+            group: The layer's options.
+
+        Returns:
+            The factors of sides 0 and 1.
+        """
+        names = group["structures"]
+        return [load_factor(state, p, names[side]) for p, side in self.factor_sides]
+
+    def averaged(
+        self,
+        state: dict[str, Any],
+        group: Mapping[str, Any],
+        statistics: FactorStatistics,
+        side: int,
+    ) -> StructuredMatrix:
+        r"""Return a side's factor as `update` leaves it, without changing the state.
+
+        Args:
+            state: The layer's state before the update.
+            group: The layer's options.
+            statistics: The statistics of the update.
+            side: The side.
+
+        Returns:
+            A new matrix, bit for bit the factor after `update`.
+        """
+        factors = self.factors(state, group)
+        U = self._new_statistics(factors, group, statistics, None)[side]
+        beta = self._decay(state, group)
+        factor = factors[side].clone()
+        return factor.mul_(beta).add_(U.to(factor.dtype), alpha=1.0 - beta)
+
+    @staticmethod
+    def _decay(state: dict[str, Any], group: Mapping[str, Any]) -> float:
+        """Return the weight of the previous factors (0 in the first update)."""
+        return group["ema_decay"] if state["updates"] else 0.0
+
+    def _new_statistics(
+        self,
+        factors: list[StructuredMatrix],
+        group: Mapping[str, Any],
+        statistics: FactorStatistics,
+        preconditioner: Preconditioner | None,
+    ) -> tuple[StructuredMatrix, StructuredMatrix]:
+        r"""Return the update's \(U_K\), \(U_C\) in the factors' structures.
+
+        Args:
+            factors: The factors (their dtypes).
+            group: The layer's options.
+            statistics: The statistics of the update.
+            preconditioner: Passed to `project_dense` (KFAC reads none).
+
+        Returns:
+            The collected statistics, or the handed-over ones projected.
+        """
+        if statistics.handed_over is None:
+            return statistics.collected
+        return tuple(
+            self.project_dense(preconditioner, U.to(F.dtype), side, group=group)
+            for side, (F, U) in enumerate(
+                zip(factors, statistics.handed_over, strict=True)
+            )
+        )
 
     def preconditioner(
         self,

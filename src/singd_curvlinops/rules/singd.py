@@ -21,12 +21,9 @@ from singd_curvlinops._hyperparameters import (
     check_lr_cov_value,
     check_number,
 )
-from singd_curvlinops.rules.base import (
-    FactorRule,
-    FactorStatistics,
-    Preconditioner,
-)
+from singd_curvlinops.rules.base import FactorRule
 from singd_curvlinops.rules.factors import load_factor, project_rows, store_factor
+from singd_curvlinops.rules.records import FactorStatistics, Preconditioner
 from singd_curvlinops.structures import StructuredMatrix, get_structure
 from singd_curvlinops.update import (
     FactorHyperparameters,

@@ -17,7 +17,7 @@ import torch
 from singd_curvlinops.distributed.decomposition_plan import assign_decompositions
 from singd_curvlinops.per_example import ExampleGradients
 from singd_curvlinops.rules import EKFACRule, FactorStatistics, KFACRule
-from singd_curvlinops.structures import DenseMatrix
+from singd_curvlinops.structures import DenseMatrix, get_structure
 
 DIMS = (9, 6)  # (d_K, d_C)
 GROUP = {"structures": ("dense", "dense"), "ema_decay": 0.9, "damping": 1e-3}
@@ -75,16 +75,53 @@ def test_the_averaged_factor_is_the_updated_one_bit_for_bit() -> None:
 
 
 def test_a_factor_that_is_not_finite_keeps_its_basis() -> None:
-    """`decompose` says so with None, and `update` then keeps the basis."""
+    """`decompose` returns the basis the side keeps (the state's), and `update`
+    with it keeps the basis."""
     rule = EKFACRule()
     state = _state(rule, 1)
     before = state["Q_A.mat"].clone()
     statistics = _statistics(5, scale=float("inf"))
     bases = tuple(rule.decompose(state, GROUP, statistics, side) for side in (0, 1))
-    assert bases[0] is None and bases[1] is not None
+    assert bases[0] is state["Q_A.mat"] and not torch.equal(bases[1], state["Q_G.mat"])
     rule.update(state, GROUP, replace(statistics, decompositions=bases), None)
     assert torch.equal(state["Q_A.mat"], before)
     assert torch.equal(state["Q_G.mat"], bases[1])
+
+
+@pytest.mark.parametrize("structures", [("dense", "dense"), ("diagonal", "dense")])
+def test_a_contribution_is_the_owner_s_part_of_the_examples_collective(
+    structures: tuple[str, str],
+) -> None:
+    """Under owned factors a rank without the state adds its examples'
+    squared projections in the owner's bases, as the owner's update does."""
+    rule, group = EKFACRule(), {**GROUP, "structures": structures}
+    state = rule.init_state(group, DIMS, (torch.float64,) * 2, "cpu")
+    seen: dict[str, torch.Tensor] = {}
+
+    def recorded(name: str) -> FactorStatistics:
+        statistics = _statistics(4)
+        dense = tuple(map(DenseMatrix.to_dense, statistics.collected))
+        collected = tuple(
+            get_structure(n).from_dense(M)
+            for n, M in zip(structures, dense, strict=True)
+        )
+        statistics = replace(statistics, collected=collected)
+        statistics.examples.reduce = lambda total: seen.setdefault(name, total)
+        return statistics
+
+    statistics = recorded("owner")
+    bases = tuple(
+        rule.decompose(state, group, statistics, side)
+        if side in rule.decomposed_sides(group)
+        else None
+        for side in (0, 1)
+    )
+    rule.update(state, group, replace(statistics, decompositions=bases), None)
+    other = replace(recorded("contribution"), decompositions=bases)
+    rule.contribute(group, other, DIMS, torch.device("cpu"))
+    assert torch.equal(seen["owner"], seen["contribution"])
+    with pytest.raises(NotImplementedError, match="reads no other rank's numbers"):
+        KFACRule().contribute(GROUP, statistics, DIMS, torch.device("cpu"))
 
 
 def test_only_dense_sides_are_decomposed() -> None:

@@ -75,6 +75,8 @@ for wrap_name in ("ddp", "fsdp"):
         for model in ("three", "tied")
     ]  # EKFAC under "shard": owned preconditioning (before 2026-12-05 refused)
     baselines.append(("ekfac shard", "ekfac", EKFAC_OPTIONS, "shard", "three"))
+    # shared eigendecompositions; owned factors (the others contribute)
+    baselines.append(("ekfac owned", "ekfac", EKFAC_OPTIONS, "owned", "three"))
     for label, optimizer, options, distribute, model in baselines:
         case = Case(
             options=dict(options),

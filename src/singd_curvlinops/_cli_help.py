@@ -65,5 +65,6 @@ distributed (--distributed, started by torchrun; gloo on CPU):
   table with the slowest process's ms/step (median and spread over the rounds),
   the ratio to replicate, the factor state of the process that holds the most,
   and the bytes the collectives move; with --fsdp the model is sharded by FSDP2;
-  with --optimizer ekfac, EKFAC (structures auto) under replicate and shard.
+  with --optimizer ekfac, EKFAC (structures auto) under replicate, shard and
+  Shard(factors="owned").
 """

@@ -115,13 +115,12 @@ class KroneckerOptimizer(
         self._distribution = distributed.resolve(distribute, tuple(defaults))
         strategy = self._distribution
         if rule.per_example and isinstance(strategy, distributed.Shard):
-            if strategy.factors != "replicated" or strategy.share != "directions":
+            if strategy.share != "directions":
                 raise ValueError(
-                    f"distribute={distribute!r}: {type(self).__name__} updates "
-                    "its factors on every rank (each update reads every rank's "
-                    "per-example gradients), so its factors cannot be owned or "
-                    "shared; only the preconditioning and the eigendecompositions "
-                    "are sharded: use distribute='shard' or 'replicate'."
+                    f"distribute={distribute!r}: {type(self).__name__}'s updates "
+                    "read every rank's per-example gradients, so every rank runs "
+                    "them or contributes to them, and no factors are shared: use "
+                    "distribute='shard', Shard(factors='owned') or 'replicate'."
                 )
         self._collector = StatisticsCollector(
             self._collection_plan, type(self).__name__

@@ -224,6 +224,17 @@ class LayerStepper:
         )
         self.forget(layer, (0, 1) if sides is None else sides)
 
+    def contribute(self, layer: Layer, statistics: FactorStatistics | None) -> None:
+        """Take part in the collectives of a layer's update that another rank runs.
+
+        Args:
+            layer: A layer whose owner keeps its state (`Shard(factors="owned")`).
+            statistics: From `take`, with the owner's decompositions.
+        """
+        if statistics is not None:
+            device = local(layer.weight).device
+            self.rule.contribute(self.group(layer), statistics, layer.dims, device)
+
     def _factor_parts(
         self, state: dict[str, Any], sides: tuple[int, ...]
     ) -> list[tuple[tuple[int, ...], list[str]]]:

@@ -57,6 +57,7 @@ from tests.distributed.harness import (
 
 FSDP_EKFAC = Case(EKFAC_OPTIONS, "fsdp", "replicate", optimizer="ekfac")
 EKFAC_SHARD = Case(EKFAC_OPTIONS, "ddp", "shard", optimizer="ekfac")
+EKFAC_OWNED = replace(EKFAC_SHARD, distribute="owned")
 SPARSE_SHARD = Case(SPARSE)
 HIERARCHICAL = {**SPARSE, "T": 3, "structures": ("hierarchical5_5", "triutoeplitz")}
 CASES_W2 = {
@@ -196,6 +197,15 @@ CASES_W2 = {
     "ekfac_shard_tied": replace(EKFAC_SHARD, model="tied"),
     "fsdp_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp"),
     "fsdp_conv1d_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp", model="conv1d"),
+    # EKFAC with owned factors (before 2026-12-05 a ValueError): the owner keeps
+    # the state and updates; the others add their examples' projections
+    "ekfac_owned": EKFAC_OWNED,
+    "ekfac_owned_accumulate": replace(EKFAC_OWNED, wrap="accumulate"),
+    "ekfac_owned_T1": replace(EKFAC_OWNED, options={**EKFAC_OPTIONS, "T": 1}),
+    "ekfac_owned_tied": replace(EKFAC_OWNED, model="tied"),
+    "ekfac_owned_norm": replace(EKFAC_OWNED, model="norm"),  # fallback parameters
+    "fsdp_ekfac_owned": replace(EKFAC_OWNED, wrap="fsdp"),
+    "fsdp_conv1d_ekfac_owned": replace(EKFAC_OWNED, wrap="fsdp", model="conv1d"),
 }
 CASES_W3 = {
     "dense": Case(DENSE),
@@ -230,6 +240,9 @@ CASES_W3 = {
     # EKFAC's preconditioning owned: 2 layers on 3 ranks, and uneven columns
     "ekfac_shard_two": replace(EKFAC_SHARD, model="two"),
     "fsdp_conv1d_ekfac_shard": replace(EKFAC_SHARD, wrap="fsdp", model="conv1d"),
+    "ekfac_owned_two": replace(EKFAC_OWNED, model="two"),  # an idle rank
+    "ekfac_owned_embed": replace(EKFAC_OWNED, model="embed"),
+    "fsdp_conv1d_ekfac_owned": replace(EKFAC_OWNED, wrap="fsdp", model="conv1d"),
 }
 GRAFT_LATER = Case(SPARSE, "fsdp")
 RESUME_AT = 3
@@ -336,6 +349,9 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
     conv1d = replace(GRAFT_LATER, model="conv1d")
     results["graft_later/conv1d"] = train_graft_later(conv1d)
     _resume(results, out, EKFAC_SHARD, "ekfac-shard")  # (owners precondition)
+    _resume(results, out, EKFAC_OWNED, "ekfac-owned")  # (state on owners only)
+    fsdp_owned_ekfac = replace(EKFAC_OWNED, wrap="fsdp", model="tied")
+    _resume(results, out, fsdp_owned_ekfac, "fsdp-ekfac-owned", files=False)
     _resume(results, out, Case(DENSE), "shard-relay")  # a layer split by sides
     _resume(results, out, Case(DENSE, distribute="owned"), "owned-helper")
     _resume(results, out, Case(DENSE, model="tied"), "shard-tied")
@@ -347,7 +363,12 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         ("owned", "replicate"),
     ):
         _cross(results, out, saved, loaded)
-    for saved, loaded in (("replicate", "shard"), ("shard", "replicate")):
+    for saved, loaded in (
+        ("replicate", "shard"),
+        ("shard", "replicate"),
+        ("replicate", "owned"),
+        ("owned", "shard"),
+    ):
         _cross(results, out, saved, loaded, EKFAC_SHARD)
     _bytes(results)
     for distribute in ("replicate", "shard", "owned", "factors"):
@@ -535,6 +556,7 @@ def _bytes(results: dict[str, Any]) -> None:
         ("fsdp_owned", Case(SPARSE, "fsdp", "owned")),
         ("fsdp_owned_conv1d", Case({**DENSE, "T": 2}, "fsdp", "owned", model="conv1d")),
         ("ekfac_shard", EKFAC_SHARD),  # (T = 2; its owners precondition)
+        ("ekfac_owned", EKFAC_OWNED),
     ):
         model = build_model(case.model)
         net = wrap(case, model)

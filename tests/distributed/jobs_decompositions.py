@@ -30,30 +30,36 @@ def decompositions(results: dict[str, Any], out: Path) -> None:
 
     ekfac_rule._eigenbasis = counted
     try:
-        for distribute in ("replicate", "shard"):
+        for distribute in ("replicate", "shard", "owned"):
             for model in ("three", "tied"):
                 shapes.clear()
                 case = replace(EKFAC_SHARD, distribute=distribute, model=model)
                 trained, _, optimizer = train(case)
-                plan = getattr(optimizer.distribution, "plan", {})
-                results[f"{distribute}/{model}"] = {
-                    "params": params(trained),
-                    "shapes": list(shapes),
-                    "decomposers": [
-                        plan[layer].decomposers for layer in optimizer.layers
-                    ]
-                    if plan
-                    else [],
-                }
+                results[f"{distribute}/{model}"] = _record(trained, optimizer, shapes)
     finally:
         ekfac_rule._eigenbasis = eigenbasis
-    results["failure/shard"] = _failing(EKFAC_SHARD)
-    results["failure/replicate"] = _failing(
-        replace(EKFAC_SHARD, distribute="replicate")
-    )
+    for distribute in ("replicate", "shard", "owned"):
+        case = replace(EKFAC_SHARD, distribute=distribute)
+        results[f"failure/{distribute}"] = _failing(case)
     dist.barrier()  # (every rank left the failed step in step with the others)
     results["after_failure"] = params(train(EKFAC_SHARD, steps=1)[0])
     results["steps"] = STEPS
+
+
+def _record(trained: Any, optimizer: Any, shapes: list) -> dict[str, Any]:
+    """The parameters, the decompositions computed, the plan, the kept buffers."""
+    plan = getattr(optimizer.distribution, "plan", {})
+    buffers = getattr(optimizer.distribution, "buffers", None)
+    return {
+        "params": params(trained),
+        "shapes": list(shapes),
+        "decomposers": [plan[layer].decomposers for layer in optimizer.layers]
+        if plan
+        else [],
+        "owners": [plan[layer].owners for layer in optimizer.layers] if plan else [],
+        "kept_bases": buffers is not None
+        and any("bases" in str(key) for key in buffers._held),
+    }
 
 
 def _failing(case: Case) -> str:

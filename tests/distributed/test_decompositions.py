@@ -40,6 +40,21 @@ def test_each_decomposition_is_computed_once_between_the_ranks(
     assert all(0 < sum(c.values()) < sum(replicated[0].values()) for c in sharded)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_under_owned_factors_the_owner_decomposes_its_layers(
+    ranks: list[dict[str, Any]], model: str
+) -> None:
+    """The owner computes its layers' bases and keeps them; the other rank only
+    uses them in the step (the gather's buffers are not kept)."""
+    replicated = Counter(ranks[0][f"replicate/{model}"]["shapes"])
+    owned = [Counter(r[f"owned/{model}"]["shapes"]) for r in ranks]
+    assert owned[0] + owned[1] == replicated
+    record = ranks[0][f"owned/{model}"]
+    assert record["decomposers"] == record["owners"]
+    assert not any(r[f"owned/{model}"]["kept_bases"] for r in ranks)
+    assert all(r[f"shard/{model}"]["kept_bases"] for r in ranks)
+
+
 def test_the_decompositions_are_balanced_between_the_ranks(
     ranks: list[dict[str, Any]],
 ) -> None:
@@ -56,16 +71,18 @@ def test_sharded_decompositions_train_as_one_process(
 ) -> None:
     expected = reference(replace(EKFAC_SHARD, model=model))
     for result in ranks:
-        for distribute in ("replicate", "shard"):
+        for distribute in ("replicate", "shard", "owned"):
             trained = result[f"{distribute}/{model}"]["params"]
             for actual, wanted in zip(trained, expected, strict=True):
                 error = ((actual - wanted).abs().max() / wanted.abs().max()).item()
                 assert error < TOLERANCE, (distribute, error)
-        shard = result[f"shard/{model}"]["params"]
         replicate = result[f"replicate/{model}"]["params"]
-        assert all(map(torch.equal, shard, replicate))  # (the same bits)
-    first, second = (r[f"shard/{model}"]["params"] for r in ranks)
-    assert all(map(torch.equal, first, second))
+        for distribute in ("shard", "owned"):  # (the same bits)
+            trained = result[f"{distribute}/{model}"]["params"]
+            assert all(map(torch.equal, trained, replicate)), distribute
+    for distribute in ("shard", "owned"):
+        first, second = (r[f"{distribute}/{model}"]["params"] for r in ranks)
+        assert all(map(torch.equal, first, second))
 
 
 def test_a_failing_decomposition_raises_on_every_rank(
@@ -80,4 +97,8 @@ def test_a_failing_decomposition_raises_on_every_rank(
     assert f"failed on rank {owner}" in other and "layer '3'" in other
     assert "(49, 49) factor of side 0" in other
     assert all("injected" in r["failure/replicate"] for r in ranks)
+    owned = [r["failure/owned"] for r in ranks]  # (the owner decomposes)
+    holder = ranks[0]["owned/three"]["decomposers"][1][0]
+    assert "injected" in owned[holder]
+    assert f"failed on rank {holder}" in owned[1 - holder]
     assert torch.equal(ranks[0]["after_failure"][0], ranks[1]["after_failure"][0])

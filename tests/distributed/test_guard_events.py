@@ -7,8 +7,8 @@ step is skipped), `lr_cov = 50` (the trust region limits the factor steps),
 inputs and a loss scaled by 1e100 (factor updates overflow; the statistics
 formed from them overflow at the next step), `lr = 1e308` (the parameter steps
 overflow) and, for KFAC, `damping = 0` with an input channel that is always
-zero (singular damped factors); EKFAC (replicated and sharded preconditioning)
-meets the infinite input and the overflowing step. The ranks must count,
+zero (singular damped factors); EKFAC (replicated, sharded and owned) meets the
+infinite input, statistics that overflow and the overflowing step. The ranks must count,
 report and take what one process on the whole batch does: the same skipped
 steps, discarded updates and warnings, and parameters within 1e-10. (A sweep of
 816 such configurations found the owned form stepping where one process
@@ -71,9 +71,10 @@ def _cases() -> dict[str, tuple[Case, str]]:
     for name, (case, event) in list(cases.items()):  # owned factors under FSDP2
         if name.startswith("owned-"):
             cases[f"fsdp_{name}"] = (replace(case, wrap="fsdp"), event)
-    for mode in ("replicate", "shard"):  # EKFAC (updates on every rank; its
-        # float64 factors of inputs scaled by 1e100 stay finite: no "huge"; those
-        # of 1e160 overflow, and every rank skips the step before decomposing)
+    for mode in ("replicate", "shard", "owned"):  # EKFAC (updates on every rank,
+        # or on the owner with every rank's part; its float64 factors of inputs
+        # scaled by 1e100 stay finite: no "huge"; those of 1e160 overflow, and
+        # every rank skips the step before decomposing)
         ekfac = Case(
             {**EKFAC_OPTIONS, "T": 1}, "ddp", mode, optimizer="ekfac", model="norm"
         )

@@ -242,6 +242,9 @@ def test_the_plans_cover_split_layers_both_anchors_and_idle_ranks(
         "fsdp_owned_dense",
         "fsdp_owned_conv1d",
         "fsdp_owned_tied",
+        "ekfac_owned",
+        "ekfac_owned_tied",
+        "fsdp_ekfac_owned",
     ],
 )
 def test_owned_factors_live_on_exactly_one_rank(w2: list[dict], name: str) -> None:
@@ -279,6 +282,8 @@ def test_momenta_live_on_the_rank_that_updates_their_side(
         "fsdp-graft-embed",
         "fsdp-graft-conv1d",
         "ekfac-shard",
+        "ekfac-owned",
+        "fsdp-ekfac-owned",
         "fsdp-owned-three",
         "fsdp-owned-conv1d",
         "shard-relay",
@@ -306,6 +311,8 @@ def test_a_resumed_sharded_run_continues_bit_identically(
         ("owned", "replicate"),
         ("ekfac/replicate", "shard"),
         ("ekfac/shard", "replicate"),
+        ("ekfac/replicate", "owned"),
+        ("ekfac/owned", "shard"),
     ],
 )
 def test_checkpoints_load_across_strategies(
@@ -457,15 +464,17 @@ def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
         assert all(not result[f"bytes/{name}/{step}"]["all_gather"] for result in w2)
 
 
-def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict]) -> None:
-    """EKFAC under `"shard"`: the step check alone first; on update steps the
-    statistics and each layer's eigenvalue sums all-reduced (every rank
-    updates) and the eigenbases gathered from the ranks that computed them;
-    the owners' directions in the gather every step; no all-to-all."""
+@pytest.mark.parametrize("name", ["ekfac_shard", "ekfac_owned"])
+def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict], name: str) -> None:
+    """EKFAC under `"shard"` and owned factors: the step check alone first; on
+    update steps the statistics and each layer's eigenvalue sums all-reduced
+    (every rank updates, or contributes to the owner's update) and the
+    eigenbases gathered from the ranks that computed them; the owners'
+    directions in the gather every step; no all-to-all."""
     for result in w2:
         for step in (0, 1):
-            recorded = result[f"bytes/ekfac_shard/{step}"]
-            reported = result[f"bytes/ekfac_shard/{step}/reported"]
+            recorded = result[f"bytes/{name}/{step}"]
+            reported = result[f"bytes/{name}/{step}/reported"]
             assert len(recorded["all_gather"]) == (2 if step == 0 else 1)
             assert sum(recorded["all_gather"]) == reported["gather"]
             assert reported["gather"] > 0 and not recorded["all_to_all"]
@@ -493,15 +502,19 @@ def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> No
 
 
 def test_the_distributed_benchmark_times_ekfac(w2: list[dict]) -> None:
-    """`bench --distributed --optimizer ekfac`: replicate and shard; the update
-    step gathers the eigenbases besides the directions."""
+    """`bench --distributed --optimizer ekfac`: replicate, shard and owned
+    factors; the update step gathers the eigenbases besides the directions."""
     records = w2[0]["bench_ekfac"]
     assert [r["strategy"] for r in records] == list(EKFAC_STRATEGIES)
-    replicate, shard = records
+    replicate, shard, owned = records
     assert {r["optimizer"] for r in records} == {"ekfac"}
     assert replicate["update_bytes"]["gather"] == 0
-    assert shard["update_bytes"]["gather"] > shard["plain_bytes"]["gather"] > 0
+    for record in (shard, owned):
+        assert record["update_bytes"]["gather"] > record["plain_bytes"]["gather"] > 0
     assert shard["factor_mib"] == replicate["factor_mib"]  # (replicated state)
+    assert (
+        owned["factor_mib"] < replicate["factor_mib"]
+    )  # (the cnn: one layer holds 90%)
     assert "| cnn, EKFAC | 1 | shard |" in markdown_table(records)
 
 

@@ -63,14 +63,14 @@ def test_bad_shard_options_raise(options: dict, pattern: str) -> None:
         Shard(**options)
 
 
-@pytest.mark.parametrize("distribute", [Shard(factors="owned"), Shard(share="factors")])
-def test_ekfac_shards_only_its_preconditioning(distribute: Shard) -> None:
-    """EKFAC updates every factor on every rank (each update reads every rank's
-    per-example gradients): the forms that keep factors on owners, or that
-    share factors, do not apply; `"shard"` does."""
-    with pytest.raises(ValueError, match="its factors cannot be owned or shared"):
-        EKFAC(_model(), distribute=distribute)
-    assert isinstance(EKFAC(_model(), distribute="shard").distribution, Shard)
+def test_ekfac_does_not_share_its_factors() -> None:
+    """EKFAC's updates read every rank's per-example gradients, so every rank
+    runs them (or contributes to its owner's): `share="factors"`, where owners
+    send updated factors, does not apply; `"shard"` and owned factors do."""
+    with pytest.raises(ValueError, match="no factors are shared"):
+        EKFAC(_model(), distribute=Shard(share="factors"))
+    for distribute in ("shard", Shard(factors="owned")):
+        assert isinstance(EKFAC(_model(), distribute=distribute).distribution, Shard)
 
 
 @pytest.mark.parametrize(

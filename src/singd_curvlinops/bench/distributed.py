@@ -52,9 +52,9 @@ STRATEGIES: dict[str, Any] = {
     "shard, share factors": Shard(share="factors"),
     "shard, owned factors": Shard(factors="owned"),
 }
-# EKFAC repeats its updates on every rank (they read every rank's examples):
-# it has no owned or shared-factors form, and its structures are "auto"
-EKFAC_STRATEGIES = ("replicate", "shard")
+# EKFAC's updates read every rank's examples, so no rank sends its factors:
+# it has no shared-factors form; its structures are "auto"
+EKFAC_STRATEGIES = ("replicate", "shard", "shard, owned factors")
 
 
 @dataclass(frozen=True)

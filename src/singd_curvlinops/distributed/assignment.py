@@ -404,17 +404,19 @@ def assign_layers(
             `owner_blocks`).
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
-        replicated_updates: Whether every rank updates every factor (rules
-            with per-example gradients, EKFAC): then the preconditioning is
-            balanced, and apart from it the sides' decompositions
-            (`decomposition_plan`).
+        replicated_updates: Whether every rank runs every update's
+            collectives (rules with per-example gradients, EKFAC): then the
+            preconditioning is balanced, and apart from it the sides'
+            decompositions (`decomposition_plan`); with `owned`, each layer's
+            owner decomposes its sides, as part of its unit.
 
     Returns:
         Per layer, its assignment.
     """
     splits = rule.splits_sides and not owned
+    decomposed = [decomposition_costs(layer, groups, rule) for layer in layers]
     costs, entries, columns = [], [], []
-    for layer in layers:
+    for layer, decomposition in zip(layers, decomposed, strict=True):
         group = layer.options(groups[layer.group_index])
         structures = rule.structures(group)
         cost = layer_cost(structures, layer.dims, group["T"], splits)
@@ -424,8 +426,9 @@ def assign_layers(
             cost = replace(cost, splittable=other and not share_factors and not whole)
         if share_factors:
             cost = replace(cost, build=(0.0, 0.0), apply=(0.0, 0.0))
-        if replicated_updates:
-            cost = replace(cost, update=(0.0, 0.0), build=(0.0, 0.0))
+        if replicated_updates:  # (owned factors: the owner decomposes)
+            update = decomposition if owned else (0.0, 0.0)
+            cost = replace(cost, update=update, build=(0.0, 0.0))
         costs.append(cost)
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
         dense_K = structures[0] == "dense"  # (a tied layer's twin: not split)
@@ -437,9 +440,10 @@ def assign_layers(
             and not whole
         )
     plan = assign(costs, world, entries, columns, helpers=owned)
-    if replicated_updates:
-        decomposed = [decomposition_costs(layer, groups, rule) for layer in layers]
-        if any(map(any, decomposed)):
+    if replicated_updates and any(map(any, decomposed)):
+        if owned:  # (the owner keeps the bases it computes)
+            ranks = [a.owners for a in plan]
+        else:
             ranks = assign_decompositions(decomposed, world)
-            plan = [replace(a, decomposers=r) for a, r in zip(plan, ranks, strict=True)]
+        plan = [replace(a, decomposers=r) for a, r in zip(plan, ranks, strict=True)]
     return dict(zip(layers, plan, strict=True))

@@ -244,7 +244,7 @@ def bytes_per_step(
     verdicts = 0 if shared else 1 + (2 * update + 1) * len(layers) + len(fallback)
     to_owners = _to_owners(optimizer, world, plan)
     if update:  # the agreement on what the owners formed (`formed_statistics`)
-        if strategy.factors == "owned":
+        if options["dense_statistics"]:  # (owned factors, not EKFAC's)
             verdicts += len(split) < len(layers)
         elif to_owners:
             verdicts += len(keys)  # per due layer and transposed twin (tied weights)

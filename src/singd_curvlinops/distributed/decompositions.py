@@ -13,11 +13,17 @@ two factors), need no examples, though, and are split:
    that side's decomposition from the factor as the update will average it
    (`FactorRule.decompose`, which changes nothing);
 2. one `all_gather` shares them: per decomposed side its \(d^2\) entries and a
-   status (0: keep the previous basis, the averaged factor is not finite; 1: a
-   new one; 2: the decomposition failed);
+   status (1: sent, the new basis or, where the averaged factor is not finite,
+   the one the side keeps; 2: the decomposition failed; 0: the layer has no
+   statistics, nothing to decompose);
 3. every rank runs every update as before, with the decompositions handed in
    (`FactorStatistics.decompositions`): the state is the same, bit for bit, as
    if it had computed them itself, and stays replicated.
+
+Under `Shard(factors="owned")` a layer's owner computes its decompositions and
+alone keeps its state and runs its update; the other ranks use the bases only
+to add their examples' squared projections to the owner's (`FactorRule.contribute`)
+and hold them only during the step (the gather's buffers are not kept).
 
 A decomposition that fails is reported by every rank after the gather (its own
 rank re-raises the error; the others name the layer's side and that rank), so
@@ -45,8 +51,9 @@ from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule, FactorStatistics
 
-# a decomposition's status in the gather
-KEEP, NEW, FAILED = 0, 1, 2
+# a decomposition's status in the gather: none (its layer has no statistics),
+# sent, failed
+NONE, SENT, FAILED = 0, 1, 2
 
 Item = tuple[Layer, int]  # (layer, side)
 
@@ -123,7 +130,6 @@ def gathered_bytes(
 def share(
     stepper: Any,
     plan: Mapping[Layer, Any],
-    layers: Sequence[Layer],
     taken: dict[Layer, FactorStatistics | None],
     me: int,
     world: int,
@@ -137,8 +143,8 @@ def share(
     Args:
         stepper: The shell's `LayerStepper`.
         plan: Per layer, its `Assignment`.
-        layers: The due layers.
-        taken: Per due layer, its statistics (all-reduced).
+        taken: Per due layer (in the same order on every rank), its statistics
+            (all-reduced).
         me: This rank.
         world: The number of ranks.
         buffers: The strategy's message buffers (None: allocated here).
@@ -147,6 +153,7 @@ def share(
         `taken`, with the statistics of each layer that has decomposed sides
         carrying their decompositions.
     """
+    layers = list(taken)
     items = layout(layers, plan, stepper.rule, stepper.groups, world)
     if not any(items):
         return taken
@@ -171,7 +178,9 @@ def share(
     decomposed: dict[Layer, list[Tensor | None]] = {}
     for (layer, side), (value, status) in received.items():
         pair = decomposed.setdefault(layer, [None, None])
-        pair[side] = value if status == NEW else None
+        if status == SENT:  # (exact: the buffer's dtype holds the factor's)
+            group = layer.options(stepper.groups[layer.group_index])
+            pair[side] = value.to(layer.factor_dtypes(group)[side])
     return {
         layer: statistics
         if statistics is None or layer not in decomposed
@@ -197,7 +206,7 @@ def _decompose(
     for layer, side in items:
         statistics = taken.get(layer)
         if statistics is None:  # (no update: nothing to decompose)
-            results.append((None, KEEP))
+            results.append((None, NONE))
             continue
         state, group = stepper.state[layer.weight], stepper.group(layer)
         try:
@@ -206,7 +215,7 @@ def _decompose(
             failure = failure or error
             results.append((None, FAILED))
             continue
-        results.append((value, KEEP if value is None else NEW))
+        results.append((value, SENT))
     return results, failure
 
 

@@ -5,7 +5,9 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
 1. **updates factors** where they are owned (every rank takes the all-reduced
    statistics; the owner of a side, or of the layer, applies the rule; a rule
    with per-example gradients, EKFAC, on every rank: `replicated_updates`,
-   each eigendecomposition computed by one rank and shared: `decompositions`);
+   each eigendecomposition computed by one rank and shared: `decompositions`;
+   under owned factors only its owner updates, and the other ranks contribute
+   to the update's collective: `kept_by_owners`);
 2. **preconditions** where it is owned: the owner of a whole layer computes
    \(\Delta = P_C \Gamma P_K\); a layer split by sides is preconditioned in a
    relay (`relay`): the owner of the other side applies it to \(\Gamma\) right
@@ -93,6 +95,10 @@ class GatheredStep:
             whose updates read every rank's examples in a collective of their
             own); then the preconditioning is owned, and so is each side's
             decomposition, shared before the updates (`decompositions`).
+        kept_by_owners: Whether only a layer's owner keeps its state
+            (`Shard(factors="owned")`); with `replicated_updates` the other
+            ranks contribute to the update's collectives instead
+            (`FactorRule.contribute`).
         world: The number of ranks (default: the process group's), e.g. to
             count the bytes of a step without one.
         buffers: The strategy's message buffers, kept between steps (None:
@@ -109,6 +115,7 @@ class GatheredStep:
         local_directions: bool = False,
         share_verdicts: bool = False,
         replicated_updates: bool = False,
+        kept_by_owners: bool = False,
         world: int | None = None,
         buffers: Buffers | None = None,
     ) -> None:
@@ -119,6 +126,7 @@ class GatheredStep:
         self.local_directions = local_directions
         self.share_verdicts = share_verdicts
         self.replicated_updates = replicated_updates
+        self.kept_by_owners = kept_by_owners
         self.me, self.world = rank(), world or world_size()
         self.buffers = buffers
         self._relay: Relay | None = None  # (one per step, in `__call__`)
@@ -139,14 +147,10 @@ class GatheredStep:
             form=self.dense_statistics,
         )
         if self.replicated_updates:  # (each decomposition on one rank, shared)
+            # (owned factors: no rank keeps other ranks' bases between steps)
+            buffers = None if self.kept_by_owners else self.buffers
             taken = decompositions.share(
-                self.stepper,
-                self.plan,
-                list(taken),
-                taken,
-                self.me,
-                self.world,
-                self.buffers,
+                self.stepper, self.plan, taken, self.me, self.world, buffers
             )
         columns.step(self.stepper, [(layer, is_due[layer]) for layer in split])
         relayed = [layer for layer in layers if self.relayed(layer)]
@@ -202,7 +206,9 @@ class GatheredStep:
         """
         if due:
             sides = owned_sides(self.plan[layer], self.me)
-            if self.replicated_updates:  # (every rank, in the same order)
+            if self.replicated_updates and self.kept_by_owners and not sides:
+                self.stepper.contribute(layer, statistics)  # (the owner updates)
+            elif self.replicated_updates:  # (every rank, in the same order)
                 self.stepper.update(layer, statistics)
             elif self._relay.helped_here(layer) and statistics is not None:
                 self._relay.update_helped(layer, statistics)

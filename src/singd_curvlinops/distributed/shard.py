@@ -115,7 +115,7 @@ class Shard(DistributionStrategy):
             processes and
             `factors="owned"`; else None.
         """
-        if self.rows != "raw":
+        if self.rows != "raw" or rule.per_example:  # (EKFAC: Grams, no factors)
             return None
         kept = raw_gram.kept_structures(layer, rule, group)
         return raw_gram.raw_statistics(kept)
@@ -267,20 +267,24 @@ class Shard(DistributionStrategy):
 
         Args:
             rule: The factor rule: one with per-example gradients (EKFAC)
-                updates every factor on every rank (each update reads every
-                rank's examples), and only its preconditioning and its sides'
-                decompositions are sharded (`decompositions`).
+                runs every update's collectives on every rank (each update
+                reads every rank's examples): its factors are updated on every
+                rank, or with owned factors by the owner while the others
+                contribute; its preconditioning and its sides' decompositions
+                are sharded (`decompositions`).
 
         Returns:
-            `share_state`, `dense_statistics`, `local_directions` and
-            `replicated_updates` (`GatheredStep`'s arguments).
+            `share_state`, `dense_statistics`, `local_directions`,
+            `replicated_updates` and `kept_by_owners` (`GatheredStep`'s
+            arguments).
         """
         replicated = rule.per_example
         return {
             "share_state": not self._owned and not replicated,
-            "dense_statistics": self._owned,
+            "dense_statistics": self._owned and not replicated,
             "local_directions": self.share == "factors",
             "replicated_updates": replicated,
+            "kept_by_owners": self._owned,
         }
 
     def full_state(

@@ -163,12 +163,41 @@ class FactorRule(ABC):
             side: One of `decomposed_sides(group)`.
 
         Returns:
-            The decomposition, or None where the side keeps its previous one.
+            The decomposition that the side holds after `update`: a new one,
+            or the previous one (where the averaged factor is not finite).
 
         Raises:
             NotImplementedError: For a rule without `decomposed_sides`.
         """
         raise NotImplementedError(f"{type(self).__name__} decomposes no factor.")
+
+    def contribute(
+        self,
+        group: Mapping[str, Any],
+        statistics: FactorStatistics,
+        dims: tuple[int, int],
+        device: torch.device,
+    ) -> None:
+        """Take part in the collectives of `update` without the layer's state.
+
+        Under `Shard(factors="owned")` only a layer's owner keeps its state and
+        runs `update`; a rule whose update reads every rank's examples in a
+        collective of its own (`per_example`) has every other rank contribute
+        its part here, from `statistics` (with `decompositions`, the owner's),
+        in the same order of collectives.
+
+        Args:
+            group: The layer's options.
+            statistics: The statistics of the update, with the decompositions.
+            dims: `(d_K, d_C)`.
+            device: The layer's device.
+
+        Raises:
+            NotImplementedError: For a rule whose update has no collectives.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}'s update reads no other rank's numbers."
+        )
 
     @abstractmethod
     def structures(self, group: dict[str, Any]) -> tuple[str, str]:

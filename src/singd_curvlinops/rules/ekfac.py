@@ -144,10 +144,35 @@ class EKFACRule(KFACRule):
         A failing eigendecomposition raises `update`'s `ValueError`.
 
         Returns:
-            The eigenvectors, or None if the averaged factor is not finite (the
-            side keeps its basis, and the optimizer discards the update).
+            The eigenvectors; the state's basis itself if the averaged factor
+            is not finite (the side keeps it, and the optimizer discards the
+            update).
         """
-        return _fresh(self.averaged(state, group, statistics, side).mat)
+        fresh = _fresh(self.averaged(state, group, statistics, side).mat)
+        prefix = self.side_names[side]
+        return state[f"Q_{prefix}.mat"] if fresh is None else fresh
+
+    def contribute(
+        self,
+        group: Mapping[str, Any],
+        statistics: FactorStatistics,
+        dims: tuple[int, int],
+        device: torch.device,
+    ) -> None:
+        r"""Add this rank's examples to the owner's \(E\): their squared projections.
+
+        `update` sums each rank's \(\Sigma\) in the examples' collective
+        (`ExampleGradients.reduce`); here it is formed in the owner's bases
+        (`statistics.decompositions`, in the factors' dtypes; None for a
+        diagonal side: the identity), as the owner forms its own.
+        """
+        # row-major as the owner's state (eigh's vectors are column-major, and
+        # the products' rounding follows the layout)
+        bases = [
+            None if basis is None else basis.contiguous()
+            for basis in statistics.decompositions or (None, None)
+        ]
+        statistics.examples.squared_projections(*bases, dims=dims, device=device)
 
     def preconditioner(
         self,

@@ -165,8 +165,8 @@ class FactorStatistics:
             per-example gradients, scaled to the convention of \(U_C\).
         decompositions: For a rule with `decomposed_sides`: per side, the
             decomposition that `decompose` returned on the rank that computed
-            it (None: the side keeps its previous one), which `update` adopts
-            instead of computing it; None: `update` computes them itself.
+            it, which `update` adopts instead of computing it (None for a side
+            that keeps its own); None: `update` computes them itself.
     """
 
     collected: tuple[StructuredMatrix, StructuredMatrix] | None = None

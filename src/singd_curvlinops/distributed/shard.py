@@ -12,7 +12,10 @@ are not split by sides, but a SINGD layer whose dense \(K\) dominates the
 factor state is split by column blocks, and one that dominates the work gets a
 helper (`relay`). Under FSDP2 an owner gathers its layers' shards of
 \(\Gamma\), preconditions them and sends each rank its block of \(\Delta\)
-(`owner_blocks`); such layers are placed whole. At every step the step's first
+(`owner_blocks`); such layers are placed whole. EKFAC, whose updates read
+every rank's examples, runs them on every rank (with owned factors: on the
+owner, the others contributing), and each eigendecomposition on one rank
+(`decompositions`); it has no `share="factors"`. At every step the step's first
 all-reduce checks that the ranks are at the same step, with the same options
 and configuration (`collectives.StepCheck`): on update steps it is the
 statistics summary (`owner_statistics`).

@@ -235,6 +235,9 @@ CASES_W3 = {
     "fsdp_two_owned": Case(SPARSE, "fsdp", "owned", model="two"),
     "fsdp_conv1d_owned": Case(DENSE, "fsdp", "owned", model="conv1d"),
     "fsdp_tied_owned": Case(IKFAC, "fsdp", "owned", model="tied"),
+    # K of the Linear 48→2 split by column blocks (17 + 16 + 16) under FSDP2,
+    # its 2 rows of Γ on two of the three ranks (since 2026-12-05)
+    "fsdp_two_owned_columns": Case(DENSE, "fsdp", "owned", model="two"),
     # uneven columns and bias rows (43, 43, 42 and 20, 20, 20 of 60)
     "fsdp_conv1d_graft": Case({**SPARSE, "graft": "adamw"}, "fsdp", model="conv1d"),
     # EKFAC's preconditioning owned: 2 layers on 3 ranks, and uneven columns
@@ -266,6 +269,8 @@ def _equivalence(results: dict[str, Any], cases: dict[str, Case]) -> None:
             for layer in optimizer.layers
         ]
         results[f"held/{name}"] = held
+        plan = getattr(optimizer.distribution, "plan", {})
+        results[f"split/{name}"] = [plan[layer].columns for layer in plan]
         results[f"momenta/{name}"] = [
             [
                 any(key.startswith(f"{m}.") for key in optimizer.state[layer.weight])

@@ -248,8 +248,11 @@ def test_the_plans_cover_split_layers_both_anchors_and_idle_ranks(
     ],
 )
 def test_owned_factors_live_on_exactly_one_rank(w2: list[dict], name: str) -> None:
+    """(A layer split by column blocks keeps its columns of K on every rank.)"""
     held = [result[f"held/{name}"] for result in w2]
-    assert [sum(column) for column in zip(*held, strict=True)] == [1] * len(held[0])
+    split = w2[0][f"split/{name}"]
+    counts = [sum(column) for column in zip(*held, strict=True)]
+    assert counts == [2 if columns else 1 for columns in split]
     assert all(any(ranks) for ranks in held)  # both ranks own something
 
 
@@ -447,7 +450,23 @@ def test_recorded_bytes_match_bytes_per_step(w2: list[dict], name: str) -> None:
         assert update["gather"] >= plain["gather"] > 0
 
 
-@pytest.mark.parametrize("name", ["fsdp_owned", "fsdp_owned_conv1d"])
+def test_recorded_bytes_of_fsdp2_shards_split_by_column_blocks(w2: list[dict]) -> None:
+    """Owned factors under FSDP2, the Conv1D 128→25 split by column blocks
+    (since 2026-12-05; before, gathered on its owner): every step one gather of
+    its blocks of Γ to every rank and the step's gather of the ranks' terms,
+    the other layer's blocks to its owner and back, as `bytes_per_step`
+    counts them."""
+    assert w2[0]["split/fsdp_owned_conv1d"] == [True, False]
+    for step in (0, 1):
+        reported = w2[0][f"bytes/fsdp_owned_conv1d/{step}/reported"]
+        for result in w2:
+            gathers = result[f"bytes/fsdp_owned_conv1d/{step}"]["all_gather"]
+            assert sum(gathers) == reported["gather"] > 0
+        exchanges = [r[f"bytes/fsdp_owned_conv1d/{step}"]["all_to_all"] for r in w2]
+        assert sum(sum(sent[-2:]) for sent in exchanges) == reported["blocks"] > 0
+
+
+@pytest.mark.parametrize("name", ["fsdp_owned"])
 def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
     w2: list[dict], name: str
 ) -> None:
@@ -520,14 +539,17 @@ def test_the_distributed_benchmark_times_ekfac(w2: list[dict]) -> None:
 
 def test_the_distributed_benchmark_shards_with_fsdp2(w2: list[dict]) -> None:
     """`bench --distributed --fsdp`: the owned form sends the gradients' blocks
-    to their owners instead of gathering the directions, and keeps its share of
-    the factors."""
+    to their owners instead of gathering the directions (but gathers the CNN's
+    linear layer, split by column blocks), and keeps its share of the
+    factors."""
     records = w2[0]["bench_fsdp"]
     assert [r["strategy"] for r in records] == list(STRATEGIES)
     replicate, shard, _, owned = records
     assert owned["factor_mib"] < shard["factor_mib"] <= replicate["factor_mib"]
+    # the linear layer split by column blocks (its Γ and terms gathered)
+    assert owned["factor_mib"] < 0.6 * replicate["factor_mib"]
     for step in ("update_bytes", "plain_bytes"):
-        assert owned[step]["blocks"] > 0 and owned[step]["gather"] == 0
+        assert owned[step]["blocks"] > 0 and owned[step]["gather"] > 0
         assert shard[step]["blocks"] == replicate[step]["blocks"] == 0
         assert replicate[step]["gather"] > 0  # (each rank's rows of Γ P_K)
     assert "| blocks MiB/step |" in markdown_table(records)

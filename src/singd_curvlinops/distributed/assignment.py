@@ -399,9 +399,9 @@ def assign_layers(
         world: The number of ranks.
         owned: Whether only owners keep factors (`Shard(factors="owned")`): sides
             are not split, SINGD's layers may get a helper for a dense side that
-            is not the anchor, and SINGD may split a dense \(K\) by column
-            blocks (not an FSDP2 shard's: its owner gathers \(\Gamma\),
-            `owner_blocks`).
+            is not the anchor (not an FSDP2 shard: its owner gathers
+            \(\Gamma\), `owner_blocks`), and SINGD may split a dense \(K\)
+            by column blocks (an FSDP2 shard's too: `column_shards`).
         share_factors: Whether every rank preconditions (`share="factors"`):
             then only the factor updates are balanced.
         replicated_updates: Whether every rank runs every update's
@@ -420,7 +420,7 @@ def assign_layers(
         group = layer.options(groups[layer.group_index])
         structures = rule.structures(group)
         cost = layer_cost(structures, layer.dims, group["T"], splits)
-        whole = is_sharded(layer)  # (FSDP2's Γ is gathered to one owner)
+        whole = is_sharded(layer)  # (no helper: FSDP2's Γ is gathered to one owner)
         if owned and type(rule) is SINGDRule:  # a helper for a dense other side
             other = structures[1 - cost.anchor] == "dense"
             cost = replace(cost, splittable=other and not share_factors and not whole)
@@ -433,11 +433,7 @@ def assign_layers(
         entries.append(tuple(map(stored_entries, structures, layer.dims)))
         dense_K = structures[0] == "dense"  # (a tied layer's twin: not split)
         columns.append(
-            owned
-            and type(rule) is SINGDRule
-            and dense_K
-            and layer.twin is None
-            and not whole
+            owned and type(rule) is SINGDRule and dense_K and layer.twin is None
         )
     plan = assign(costs, world, entries, columns, helpers=owned)
     if replicated_updates and any(map(any, decomposed)):

@@ -15,7 +15,9 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   Factors travel on update steps (`factors="replicated"`), preconditioned
   gradients (or FSDP2's rows, or column blocks' terms) on every step. EKFAC's
   update steps add the gather of its eigenbases (`decompositions`: \(d^2 + 1\)
-  numbers per dense side, each rank's padded to the largest).
+  numbers per dense side, each rank's padded to the largest). FSDP2 shards
+  split by column blocks add, every step, the gather of their blocks of
+  \(\Gamma\) (`column_shards`: each rank's padded block and a flag).
 - **relay**: the point-to-point messages of split layers (`relay`):
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
@@ -64,7 +66,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from singd_curvlinops.bounds import POWER_ITERATIONS
-from singd_curvlinops.distributed import collectives, decompositions, step_layout
+from singd_curvlinops.distributed import (
+    collectives,
+    column_shards,
+    decompositions,
+    step_layout,
+)
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
@@ -234,6 +241,10 @@ def bytes_per_step(
     split = [layer for layer in layers if plan[layer].columns]
     if update and split:
         gathered += _column_bytes(split, groups, world)
+    split_shards = [layer for layer in split if is_sharded(layer)]
+    if split_shards:  # (their Γ, gathered whole every step: `column_shards`)
+        numel = column_shards.message_numel(split_shards, world)
+        gathered += world * numel * itemsize
     relay = 0
     for layer in filter(step.relayed, layers):
         relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize

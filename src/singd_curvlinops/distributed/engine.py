@@ -19,7 +19,9 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
    on the owner, which computes \(\Delta\) (`owner_blocks`); a layer whose
    \(K\) is split by column blocks has every rank compute its term of
    \(\Gamma K K^\top = \sum_r (\Gamma K_r) K_r^\top\) (its factors were
-   updated before, together, in a collective of their own: see `columns`);
+   updated before, together, in a collective of their own: see `columns`;
+   FSDP2's blocks of its \(\Gamma\) are first gathered on every rank:
+   `column_shards`);
 3. **shares** in one `all_gather`: each rank's preconditioned gradients (its
    rows, or its terms), one flag each (0: the layer has no gradient), the step
    guard's verdicts (`StepGuard.shared_verdicts`), and the updated factors of its
@@ -27,7 +29,8 @@ Given an `Assignment` per layer (None: every rank does the layer's work), a step
 4. **applies**: received state entries replace the local ones; the owners of
    gathered FSDP2 shards send every rank its block of \(\Delta\) in an
    `all_to_all`; every rank applies the remaining side of the other
-   FSDP2-sharded layers, adds up the terms of column-split layers, and then
+   FSDP2-sharded layers, adds up the terms of column-split layers (keeping its
+   block of an FSDP2 shard's \(\Delta\)), and then
    applies weight decay, momentum and the learning rate to every layer's
    \(\Delta\).
 
@@ -49,6 +52,7 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.distributed import (
+    column_shards,
     columns,
     decompositions,
     formed_statistics,
@@ -130,6 +134,7 @@ class GatheredStep:
         self.me, self.world = rank(), world or world_size()
         self.buffers = buffers
         self._relay: Relay | None = None  # (one per step, in `__call__`)
+        self._whole: dict[Layer, Tensor | None] = {}  # (`column_shards`)
 
     def __call__(self, layers: Sequence[Layer]) -> None:
         """Update, precondition, share and apply (see the module docs).
@@ -178,6 +183,13 @@ class GatheredStep:
                 self._owner, self.me, self.world, dtype, device, self.buffers
             )
             deltas = exchange.precondition(self.stepper, at_owners)
+        split_shards = [layer for layer in split if layer in sharded]
+        self._whole = {}  # (FSDP2 shards split by column blocks: Γ on every rank)
+        if split_shards:
+            groups = self.stepper.groups
+            self._whole = column_shards.whole_gradients(
+                self.stepper, split_shards, self.world, buffer_dtype(layers, groups)
+            )
         # the relayed layers last: their half products arrive meanwhile
         ordered = sorted(layers, key=self.relayed)
         values = {
@@ -252,6 +264,7 @@ class GatheredStep:
         return (
             is_sharded(layer)
             and self.plan[layer] is not None
+            and not self.plan[layer].columns  # (its terms: `column_shards`)
             and not self.share_state
             and not self.local_directions
         )
@@ -292,8 +305,8 @@ class GatheredStep:
         Returns:
             What this rank sends for the layer (None: nothing or no gradient).
         """
-        if self.split_by_columns(layer):
-            grad = self.stepper.gradient(layer)
+        if self.split_by_columns(layer):  # (FSDP2: Γ gathered in `__call__`)
+            grad = self._whole[layer] if sharded else self.stepper.gradient(layer)
             if grad is None:
                 return None
             return columns.partial_direction(self.stepper, layer, grad)
@@ -356,7 +369,10 @@ class GatheredStep:
             return {}
         dtype = buffer_dtype(layers, self.stepper.groups)
         device = local(layers[0].weight).device
-        parts = [self._value(item, values) for item in layout[self.me]]
+        parts = [
+            step_layout.item_value(item, values, self.stepper, self._relay)
+            for item in layout[self.me]
+        ]
         with named_collective("The all_gather of a sharded optimizer's step"):
             buffers = all_gather_parts(parts, sizes, dtype, device, self.buffers, slot)
         directions, flags, verdicts = {}, [], []
@@ -383,34 +399,6 @@ class GatheredStep:
             )
         return received
 
-    def _value(self, item: Item, values: dict) -> Tensor:
-        """Return the tensor this rank sends for one of its items.
-
-        Args:
-            item: The item.
-            values: This rank's direction per layer.
-
-        Returns:
-            The tensor (zeros for a missing direction, rows padded).
-        """
-        if item.kind == "verdicts":
-            return self.stepper.guard.shared_verdicts()
-        weight = local(item.layer.weight)
-        if item.kind == "state":
-            value = self.stepper.state[item.layer.weight][item.key]
-            return value if isinstance(value, Tensor) else torch.tensor([value])
-        direction = values.get(item.layer)
-        if item.kind == "flag":
-            flag = torch.tensor([float(direction is not None)], device=weight.device)
-            relayed = self._relay.flag(item.layer) if self._relay else None
-            return flag if relayed is None else flag * relayed.to(flag.dtype)
-        if direction is not None and tuple(direction.shape) == item.shape:
-            return direction
-        padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
-        if direction is None:
-            return padded
-        return shards.pad_share(direction, item.layer, padded)  # a short shard
-
     # ---------------------------------------------------------------- apply
     def _apply(
         self, layer: Layer, parts: dict[int, tuple[Tensor, bool]], sharded: bool
@@ -427,7 +415,12 @@ class GatheredStep:
             terms = [parts[r][0] for r in range(self.world) if parts[r][1]]
             if terms:
                 direction = columns.finish_direction(self.stepper, layer, terms)
-                self.stepper.apply(layer, direction)
+                if sharded:  # (its block: rows, or columns and the bias column)
+                    rows = shards.held(layer, self.me, self.world)
+                    direction = shards.own_block(
+                        layer, direction, self.me, self.world, rows
+                    )
+                self.stepper.apply(layer, direction.to(weight.dtype))
             return
         if sharded:
             if not any(flag for _, flag in parts.values()):

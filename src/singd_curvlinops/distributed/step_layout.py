@@ -1,5 +1,7 @@
 r"""What every rank sends in the `all_gather`(s) of a `GatheredStep` (`engine`).
 
+`layouts` lists the items, `item_value` gives this rank's tensor for each.
+
 Every rank computes every rank's layout from the step's assignment and the due
 layers alone, so the gathered buffers split the same way everywhere, and
 `communication.bytes_per_step` counts them without running a step:
@@ -21,8 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from singd_curvlinops.distributed import shards
-from singd_curvlinops.distributed.fsdp import is_sharded
+from singd_curvlinops.distributed.fsdp import is_sharded, local
 from singd_curvlinops.distributed.layout import (
     Item,
     kept_everywhere,
@@ -110,12 +115,12 @@ def direction_items(step: Any, layers: Sequence[Layer], r: int) -> list[Item]:
         d_K, d_C = layer.dims
         if step.at_owner(layer):  # (its blocks travel in `owner_blocks`)
             continue
-        if is_sharded(layer):
+        if step.split_by_columns(layer):  # every rank sends its term of the sum
+            shape = (d_C, d_K)
+        elif is_sharded(layer):
             shape = shards.share_shape(layer, step.world)
             if shape is None:  # (finished by each rank alone)
                 continue
-        elif step.split_by_columns(layer):  # every rank sends its term of the sum
-            shape = (d_C, d_K)
         elif step.local_work(layer) or step.plan[layer].direction_owner != r:
             continue
         else:
@@ -125,3 +130,34 @@ def direction_items(step: Any, layers: Sequence[Layer], r: int) -> list[Item]:
             Item(layer, "flag", "", (1,)),
         ]
     return items
+
+
+def item_value(item: Item, values: dict, stepper: Any, relay: Any) -> Tensor:
+    """Return the tensor this rank sends for one of its items.
+
+    Args:
+        item: The item.
+        values: This rank's direction per layer.
+        stepper: The shell's per-layer operations (`LayerStepper`).
+        relay: The step's `relay.Relay` (its flags of relayed layers), or None.
+
+    Returns:
+        The tensor (zeros for a missing direction, rows padded).
+    """
+    if item.kind == "verdicts":
+        return stepper.guard.shared_verdicts()
+    weight = local(item.layer.weight)
+    if item.kind == "state":
+        value = stepper.state[item.layer.weight][item.key]
+        return value if isinstance(value, Tensor) else torch.tensor([value])
+    direction = values.get(item.layer)
+    if item.kind == "flag":
+        flag = torch.tensor([float(direction is not None)], device=weight.device)
+        relayed = relay.flag(item.layer) if relay else None
+        return flag if relayed is None else flag * relayed.to(flag.dtype)
+    if direction is not None and tuple(direction.shape) == item.shape:
+        return direction
+    padded = torch.zeros(item.shape, dtype=weight.dtype, device=weight.device)
+    if direction is None:
+        return padded
+    return shards.pad_share(direction, item.layer, padded)  # a short shard

@@ -184,8 +184,8 @@ class GatheredStep:
             )
             deltas = exchange.precondition(self.stepper, at_owners)
         split_shards = [layer for layer in split if layer in sharded]
-        self._whole = {}  # (FSDP2 shards split by column blocks: Γ on every rank)
-        if split_shards:
+        self._whole = {}  # (FSDP2 shards split by column blocks: Γ on every rank,
+        if split_shards:  # in a message not kept: a whole Γ would undo the sharding)
             groups = self.stepper.groups
             self._whole = column_shards.whole_gradients(
                 self.stepper, split_shards, self.world, buffer_dtype(layers, groups)

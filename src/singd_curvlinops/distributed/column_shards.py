@@ -15,7 +15,6 @@ rank applies its block of \(\Delta\) (`shards.own_block`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,21 +24,13 @@ from torch import Tensor
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import all_gather_parts, named_collective
 from singd_curvlinops.distributed.fsdp import local
-from singd_curvlinops.distributed.shards import assemble, block_shape, pad_share
+from singd_curvlinops.distributed.shards import (
+    assemble,
+    block_numel,
+    block_shape,
+    pad_share,
+)
 from singd_curvlinops.layers import Layer
-
-
-def message_numel(layers: Sequence[Layer], world_size: int) -> int:
-    """Return the numbers every rank sends: each layer's padded block and a flag.
-
-    Args:
-        layers: The sharded layers split by column blocks.
-        world_size: The number of ranks.
-
-    Returns:
-        The sum over the layers of the entries of `shards.block_shape`, plus one.
-    """
-    return sum(math.prod(block_shape(layer, world_size)) + 1 for layer in layers)
 
 
 def whole_gradients(
@@ -74,22 +65,21 @@ def whole_gradients(
             dtypes[layer] = grad.dtype
         flag = float(grad is not None)
         parts += [padded, torch.tensor([flag], dtype=dtype, device=device)]
-    size = message_numel(layers, world_size)
+    numels = [block_numel(layer, world_size) for layer in layers]
     with named_collective("The all_gather of column-split FSDP2 shards"):
         gathered = all_gather_parts(
-            parts, [size] * world_size, dtype, device, buffers, "column shards"
+            parts, [sum(numels)] * world_size, dtype, device, buffers, "column shards"
         )
-    numels = [
-        n for layer in layers for n in (math.prod(block_shape(layer, world_size)), 1)
-    ]
-    chunks = [flat.split(numels) for flat in gathered]
-    flags = torch.stack([torch.cat(c[1::2]) for c in chunks]).amax(0).tolist()
+    messages = [flat.split(numels) for flat in gathered]  # (per rank, per layer)
+    flags = torch.stack([torch.cat([m[-1:] for m in mine]) for mine in messages])
     whole: dict[Layer, Tensor | None] = {}
-    for index, (layer, flag) in enumerate(zip(layers, flags, strict=True)):
+    for index, (layer, flag) in enumerate(
+        zip(layers, flags.amax(0).tolist(), strict=True)
+    ):
         whole[layer] = None
         if flag:
             shape = block_shape(layer, world_size)
-            blocks = [c[2 * index].view(shape) for c in chunks]
+            blocks = [mine[index][:-1].view(shape) for mine in messages]
             grad_dtype = dtypes.get(layer, local(layer.weight).dtype)
             whole[layer] = assemble(layer, blocks).to(grad_dtype)
     return whole

@@ -68,7 +68,6 @@ from torch.distributed.tensor import DTensor
 from singd_curvlinops.bounds import POWER_ITERATIONS
 from singd_curvlinops.distributed import (
     collectives,
-    column_shards,
     decompositions,
     step_layout,
 )
@@ -78,10 +77,10 @@ from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import any_shards, is_sharded, local
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
-from singd_curvlinops.distributed.owner_blocks import block_numel
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.raw_gram import kept_structures
 from singd_curvlinops.distributed.shard import Shard
+from singd_curvlinops.distributed.shards import block_numel
 from singd_curvlinops.distributed.summary import summary_length
 
 
@@ -243,7 +242,7 @@ def bytes_per_step(
         gathered += _column_bytes(split, groups, world)
     split_shards = [layer for layer in split if is_sharded(layer)]
     if split_shards:  # (their Γ, gathered whole every step: `column_shards`)
-        numel = column_shards.message_numel(split_shards, world)
+        numel = sum(block_numel(layer, world) for layer in split_shards)
         gathered += world * numel * itemsize
     relay = 0
     for layer in filter(step.relayed, layers):

@@ -41,6 +41,7 @@ from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import local
 from singd_curvlinops.distributed.shards import (
     assemble,
+    block_numel,
     block_shape,
     held,
     own_block,
@@ -50,20 +51,6 @@ from singd_curvlinops.distributed.shards import (
 from singd_curvlinops.layers import Layer
 
 Owner = Callable[[Layer], int]
-
-
-def block_numel(layer: Layer, world_size: int) -> int:
-    """Return the numbers of one block's message: the padded block and its flag.
-
-    Args:
-        layer: A sharded layer.
-        world_size: The number of ranks.
-
-    Returns:
-        The entries of `shards.block_shape`, plus one.
-    """
-    rows, columns = block_shape(layer, world_size)
-    return rows * columns + 1
 
 
 class OwnerBlocks:

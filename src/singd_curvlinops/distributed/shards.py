@@ -166,6 +166,20 @@ def block_shape(layer: Layer, world_size: int) -> tuple[int, int]:
     return size, d_K
 
 
+def block_numel(layer: Layer, world_size: int) -> int:
+    """Return the numbers of one block's message: the padded block and its flag.
+
+    Args:
+        layer: A sharded layer.
+        world_size: The number of ranks.
+
+    Returns:
+        The entries of `block_shape`, plus one.
+    """
+    rows, columns = block_shape(layer, world_size)
+    return rows * columns + 1
+
+
 def held(layer: Layer, rank: int, world_size: int) -> int:
     r"""Return how many rows (columns) of the layer's weight part a rank holds.
 

@@ -44,7 +44,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Parameter
 
-from singd_curvlinops.distributed.collectives import rank, world_size
 from singd_curvlinops.distributed.fsdp import (
     block_parts,
     gamma_zeros,
@@ -123,7 +122,7 @@ def graft_blocks(layer: Layer, matrix: Tensor) -> list[Tensor]:
     """
     if not split_bias(layer):
         return [matrix]
-    return block_parts(layer, matrix, rank(), world_size())
+    return block_parts(layer, matrix)
 
 
 def graft_moments(layer: Layer, states: Sequence[dict[str, Any]]) -> list[dict]:

@@ -27,16 +27,13 @@ from torch.nn import Parameter
 
 from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
-from singd_curvlinops.distributed.collectives import (
-    named_collective,
-    rank,
-    world_size,
-)
+from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import (
     block_parts,
     column_block,
     is_sharded,
     local,
+    shard_position,
     split_bias,
     splits_columns,
 )
@@ -288,7 +285,7 @@ class LayerStepper:
         if all(g is None for g in grads):
             return None
         if split_bias(layer):  # (`fsdp.column_block`)
-            grad = column_block(layer, grads, rank(), world_size())
+            grad = column_block(layer, grads)
         elif not params[0].numel():
             d_K, d_C = layer.dims  # an empty shard: no rows (columns) of Γ
             return params[0].new_zeros((d_C, 0) if splits_columns(layer) else (0, d_K))
@@ -313,7 +310,7 @@ class LayerStepper:
                 overwritten.
         """
         blocked = split_bias(layer)
-        sharded = is_sharded(layer) and world_size() > 1
+        sharded = is_sharded(layer) and shard_position(layer.weight).count > 1
         group = self.group(layer)
         choices = []
         if group["graft"] is not None:  # (on every rank: norms over all shards)
@@ -324,7 +321,7 @@ class LayerStepper:
                 commit = partial(choose, choices)
                 self.guard.parameter_update(layer, passed, commit, defer=sharded)
             return
-        parts = block_parts(layer, direction, rank(), world_size()) if blocked else None
+        parts = block_parts(layer, direction) if blocked else None
         steps = parameter_update.layer_steps(
             layer, direction, self.groups, self.state, local=local, parts=parts
         )
@@ -371,11 +368,12 @@ class LayerStepper:
         blocks = parameter_update.graft_blocks(layer, direction)  # (without the
         # bias rows of other ranks, which a split bias's block carries)
         current = parameter_update.joint_norm(blocks)
-        if sharded:
+        if sharded:  # (within a replica under HSDP: `fsdp.shard_position`)
             dtype = torch.promote_types(norm.dtype, current.dtype)
             squares = torch.stack([norm.to(dtype), current.to(dtype)]).square()
+            group = shard_position(layer.weight).group
             with named_collective("The sum of a grafted layer's norms over shards"):
-                dist.all_reduce(squares)
+                dist.all_reduce(squares, group=group)
             norm, current = squares.sqrt().unbind()
         parameter_update.rescale(direction, norm, current)
         choices = []

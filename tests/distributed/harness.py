@@ -71,7 +71,10 @@ class Case:
         options: Optimizer options.
         wrap: `"ddp"`, `"manual"` (gradients all-reduced by hand), `"accumulate"`
             (two micro-batches, DDP's `no_sync` on the first), `"fsdp"` or
-            `"fsdp_accumulate"` (FSDP2, gradient sync off on the first).
+            `"fsdp_accumulate"` (FSDP2, gradient sync off on the first), or
+            `"hsdp"`, `"hsdp_accumulate"` (the same on a 2-d mesh: two replicas
+            of half the ranks' shards each), `"hsdp_whole"` (every rank a
+            replica of one shard).
         distribute: `"replicate"`, `"shard"`, `"owned"` (`Shard(factors="owned")`)
             or `"factors"` (`Shard(share="factors")`).
         optimizer: `"singd"`, `"kfac"` or `"ekfac"`.
@@ -280,19 +283,30 @@ def make_optimizer(case: Case, net: nn.Module) -> Any:
     return cls(net, distribute=strategy(case.distribute), **case.options)
 
 
+def sharded(case: Case) -> bool:
+    """Whether FSDP2 shards the case's model (on a 1-d mesh, or HSDP's 2-d one)."""
+    return case.wrap.startswith(("fsdp", "hsdp"))
+
+
 def wrap(case: Case, model: nn.Module) -> nn.Module:
-    if case.wrap.startswith("fsdp"):
+    if sharded(case):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None  # (FSDP2's default: a 1-d mesh over every rank)
+        if case.wrap.startswith("hsdp"):  # ("hsdp_whole": one shard per replica)
+            world = dist.get_world_size()
+            shape = (world, 1) if case.wrap == "hsdp_whole" else (2, world // 2)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         for attention in model.modules():  # a unit of its own inside its child's
             if isinstance(attention, nn.MultiheadAttention):
-                fully_shard(attention)
+                fully_shard(attention, mesh=mesh)
         units = [[layer] for layer in model if any(True for _ in layer.parameters())]
         if case.model == "tied":  # FSDP2 shards a tied weight in one unit
             units = [[model[0], model[3]], [model[1]]]
         for unit in units:
-            fully_shard(unit)
-        return fully_shard(model)
+            fully_shard(unit, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     if case.wrap == "manual":
         return model
     return DistributedDataParallel(model)
@@ -312,9 +326,7 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
         for index, (X_micro, y_micro) in enumerate(micro):
             last = index == len(micro) - 1
             _sync(net, case, last)
-            with (
-                nullcontext() if last or case.wrap.startswith("fsdp") else net.no_sync()
-            ):
+            with nullcontext() if last or sharded(case) else net.no_sync():
                 share = len(X_micro) / len(X)  # the mean, micro-batches of any size
                 (F.cross_entropy(net(X_micro), y_micro) * share).backward()
     else:
@@ -327,7 +339,7 @@ def train_step(case: Case, net: nn.Module, optimizer: Any, step: int) -> None:
 
 
 def _sync(net: nn.Module, case: Case, last: bool) -> None:
-    if case.wrap.startswith("fsdp"):
+    if sharded(case):
         net.set_requires_gradient_sync(last)
 
 

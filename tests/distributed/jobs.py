@@ -31,6 +31,7 @@ from singd_curvlinops.bench.distributed import (
     measure_distributed,
 )
 from singd_curvlinops.distributed import Shard, bytes_per_step
+from singd_curvlinops.distributed.fsdp import is_sharded
 from singd_curvlinops.distributed.fsdp import local as local_shard
 from singd_curvlinops.rules import KFACRule
 from tests.distributed.harness import (
@@ -724,6 +725,9 @@ def misuse(results: dict[str, Any], out: Path) -> None:
             partial(_fsdp_on_submesh, distribute)
         )
         results[f"misuse/hsdp/{distribute}"] = _error(partial(_hsdp, distribute))
+        results[f"misuse/column_parallel/{distribute}"] = _error(
+            partial(_column_parallel, distribute)
+        )
         results[f"misuse/fsdp_own_layout/{distribute}"] = _error(
             partial(_fsdp_own_layout, distribute)
         )
@@ -765,7 +769,7 @@ def _fsdp_on_submesh(distribute: str) -> None:
 
 
 def _hsdp(distribute: str) -> None:
-    """One step of a model that FSDP2 shards and replicates on a 2-d mesh (HSDP)."""
+    """One step of a model that HSDP shards on a 2-d mesh of one replica."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -776,6 +780,25 @@ def _hsdp(distribute: str) -> None:
     model = build_model(case.model)
     net = fully_shard(model, mesh=mesh)
     train_step(case, net, make_optimizer(case, net), 0)
+
+
+def _column_parallel(distribute: str) -> None:
+    """Ask whether a layer is sharded whose weight tensor parallelism splits.
+
+    The weight of the last Linear is a `DTensor` sharded along its dimension 1
+    (columns, as `RowwiseParallel` places it) on a 1-d mesh over every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as Placement
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    case = Case(SPARSE, "manual", distribute)
+    model = build_model(case.model)
+    weight = distribute_tensor(model[-1].weight.detach(), mesh, [Placement(1)])
+    model[-1].weight = nn.Parameter(weight)
+    for layer in make_optimizer(case, model).layers:
+        is_sharded(layer)
 
 
 def _fsdp_own_layout(distribute: str) -> None:

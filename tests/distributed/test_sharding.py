@@ -648,12 +648,21 @@ def test_data_parallelism_over_a_subgroup_raises(
 def test_fsdp_shards_that_are_not_rows_or_columns_raise(
     misuse: list[dict], distribute: str
 ) -> None:
-    """HSDP's 2-d mesh, and a registered layer type whose layout the adapter owns
-    without declaring its weight transposed."""
+    """A weight that tensor parallelism splits by columns, and a registered
+    layer type whose layout the adapter owns without declaring its weight
+    transposed. (HSDP's 2-d mesh raised here too before 2026-12-05: it now
+    trains under `"replicate"`, `test_hsdp.py`, and `Shard` refuses it.)"""
     for result in misuse:
+        columns = result[f"misuse/column_parallel/{distribute}"]
+        assert columns.startswith("ValueError: Layer '5'"), columns
+        assert "placements (Shard(dim=1),) on a 1-d mesh" in columns, columns
+        assert "and HSDP's (Replicate(), Shard(0)) on a 2-d mesh" in columns
         hsdp = result[f"misuse/hsdp/{distribute}"]
-        assert hsdp.startswith("ValueError: Layer '0'") and "2-d mesh" in hsdp, hsdp
-        assert "Shard(0) on a 1-d mesh" in hsdp
+        if distribute == "replicate":  # (one replica of every rank's shards)
+            assert hsdp == "no error", hsdp
+        else:
+            assert hsdp.startswith("ValueError: distribute="), hsdp
+            assert "'0.weight' is an HSDP shard" in hsdp, hsdp
         own = result[f"misuse/fsdp_own_layout/{distribute}"]
         assert own.startswith("ValueError: Layer '1' (Dense"), own
         assert "neither rows nor columns of Γ" in own

@@ -342,6 +342,7 @@ def all_gather_parts(
     device: torch.device,
     buffers: Buffers | None = None,
     slot: Hashable = "gather",
+    group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
     """Gather every rank's numbers: one `all_gather` of equal-size flat buffers.
 
@@ -356,6 +357,8 @@ def all_gather_parts(
         buffers: Where the sent and received buffers are kept between steps
             (None: allocated for this call).
         slot: The name of this gather's buffers in `buffers`.
+        group: The processes that gather (None: the default group); `sizes`
+            and the result are indexed by the rank within it.
 
     Returns:
         Per rank, its numbers (views of the gathered buffers; with `buffers`,
@@ -372,5 +375,5 @@ def all_gather_parts(
         lend(buffers, (slot, sender), length, dtype, device)
         for sender in range(len(sizes))
     ]
-    dist.all_gather(received, buffer)
+    dist.all_gather(received, buffer, group=group)
     return [chunk[:size] for chunk, size in zip(received, sizes, strict=True)]

@@ -18,6 +18,8 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   numbers per dense side, each rank's padded to the largest). FSDP2 shards
   split by column blocks add, every step, the gather of their blocks of
   \(\Gamma\) (`column_shards`: each rank's padded block and a flag).
+  Under HSDP the gather of `"replicate"`'s half products runs within a
+  replica: `world_size` is then the mesh's number of shards, \(P\).
 - **relay**: the point-to-point messages of split layers (`relay`):
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
@@ -74,7 +76,13 @@ from singd_curvlinops.distributed import (
 from singd_curvlinops.distributed.assignment import column_blocks, stored_entries
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
-from singd_curvlinops.distributed.fsdp import any_shards, is_sharded, local
+from singd_curvlinops.distributed.fsdp import (
+    any_shards,
+    is_sharded,
+    local,
+    shard_position,
+    shards_across,
+)
 from singd_curvlinops.distributed.gram_rows import applies
 from singd_curvlinops.distributed.layout import buffer_dtype
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
@@ -285,7 +293,9 @@ def _graft_norm_bytes(optimizer: Any) -> int:
     return sum(
         2 * local(layer.weight).dtype.itemsize
         for layer in optimizer.layers
-        if is_sharded(layer) and groups[layer.group_index]["graft"] is not None
+        if is_sharded(layer)
+        and shard_position(layer.weight).count > 1
+        and groups[layer.group_index]["graft"] is not None
     )
 
 
@@ -302,11 +312,15 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
     layers, fallback = list(optimizer.layers), optimizer.fallback_params
     stepper = SimpleNamespace(state=optimizer.state, rule=optimizer.rule)
     plan = dict.fromkeys(layers)
+    position = shards_across(layers)
+    if position.group is not None:  # HSDP: within a replica, over its shards
+        world = position.count
     step = GatheredStep(
         stepper, plan, share_state=False, dense_statistics=False, world=world
     )
     _, layout = step_layout.layouts(step, layers, [False] * len(layers))
     largest = max(sum(item.numel for item in share) for share in layout)
+    largest *= world > 1  # (one shard per replica: nothing gathered)
     itemsize = buffer_dtype(layers, optimizer.param_groups).itemsize
     # the inputs' verdict (`verdicts.inputs_verdict`), then the shards' steps
     verdicts = 1 + sum(map(is_sharded, layers))

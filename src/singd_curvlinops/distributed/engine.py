@@ -67,7 +67,12 @@ from singd_curvlinops.distributed.collectives import (
     rank,
     world_size,
 )
-from singd_curvlinops.distributed.fsdp import independent_columns, is_sharded, local
+from singd_curvlinops.distributed.fsdp import (
+    ShardPosition,
+    independent_columns,
+    is_sharded,
+    local,
+)
 from singd_curvlinops.distributed.layout import (
     Item,
     Plan,
@@ -107,6 +112,9 @@ class GatheredStep:
             count the bytes of a step without one.
         buffers: The strategy's message buffers, kept between steps (None:
             allocated for this step).
+        shards: Where this rank's FSDP2 shards lie (`fsdp.shards_across`; with
+            `plan` all None): under HSDP the step runs within one replica, as
+            a step of its processes alone. None: the default group's.
     """
 
     def __init__(
@@ -122,6 +130,7 @@ class GatheredStep:
         kept_by_owners: bool = False,
         world: int | None = None,
         buffers: Buffers | None = None,
+        shards: ShardPosition | None = None,
     ) -> None:
         self.stepper = stepper
         self.plan = plan
@@ -132,6 +141,9 @@ class GatheredStep:
         self.replicated_updates = replicated_updates
         self.kept_by_owners = kept_by_owners
         self.me, self.world = rank(), world or world_size()
+        self.group = None  # (the processes of the step's gather)
+        if shards is not None:
+            self.me, self.world, self.group = shards.index, shards.count, shards.group
         self.buffers = buffers
         self._relay: Relay | None = None  # (one per step, in `__call__`)
         self._whole: dict[Layer, Tensor | None] = {}  # (`column_shards`)
@@ -374,7 +386,9 @@ class GatheredStep:
             for item in layout[self.me]
         ]
         with named_collective("The all_gather of a sharded optimizer's step"):
-            buffers = all_gather_parts(parts, sizes, dtype, device, self.buffers, slot)
+            buffers = all_gather_parts(
+                parts, sizes, dtype, device, self.buffers, slot, self.group
+            )
         directions, flags, verdicts = {}, [], []
         for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
             chunks = flat.split([item.numel for item in items])

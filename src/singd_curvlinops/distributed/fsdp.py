@@ -8,6 +8,16 @@ the full weight, so the statistics hooks see whole layers and the statistics are
 all-reduced as under DDP; after the backward pass every rank holds the averaged
 gradient of its slices.
 
+**HSDP** (`fully_shard(..., mesh=...)` on a two-dimensional mesh, placements
+`(Replicate(), Shard(0))`): the processes form \(R\) replicas of \(P\) shards
+each. The \(P\) processes of a replica hold the slices above (\(r\) is a
+process's position along the mesh's shard dimension, `shard_position`), and
+every replica holds the same slices of the same averaged gradient. The
+statistics still combine the examples of all \(R P\) processes (the default
+process group), and the collectives that combine shards (the step's
+`all_gather`, grafting's norms) run within a replica, over the mesh's shard
+dimension: each replica computes what one FSDP2 job of \(P\) processes would.
+
 **Row shards** (weights stored `[d_out, ...]`: linear and convolution layers).
 Rank \(r\) holds rows of the gradient matrix \(\Gamma\). \(\Delta = P_C \Gamma
 P_K\) mixes the rows only through \(P_C\): each rank computes its rows of
@@ -41,12 +51,35 @@ the bias takes its rows (`block_parts`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from singd_curvlinops.distributed.collectives import rank, world_size
 from singd_curvlinops.layers import Layer, LayerAdapter
+
+# a weight's placements on a 1-d mesh (FSDP2) and on a 2-d mesh (HSDP)
+SHARDED = (Shard(0),)
+HYBRID = (Replicate(), Shard(0))
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    r"""Where this process's shards lie among a sharded layer's (module docs).
+
+    Attributes:
+        index: This process's position \(r\) along the mesh's shard dimension.
+        count: The number of shards \(P\).
+        group: The processes that hold a layer's shards together (None: the
+            default process group, which a 1-d mesh spans).
+    """
+
+    index: int
+    count: int
+    group: ProcessGroup | None = None
 
 
 def is_sharded(layer: Layer) -> bool:
@@ -56,11 +89,12 @@ def is_sharded(layer: Layer) -> bool:
         layer: The layer.
 
     Returns:
-        True for a `DTensor` weight sharded along dimension 0 on a 1-d mesh.
+        True for a `DTensor` weight sharded along dimension 0 on a 1-d mesh
+        (FSDP2), or replicated and sharded on a 2-d mesh (HSDP).
 
     Raises:
         ValueError: For a `DTensor` weight with another placement (tensor
-            parallelism, HSDP), or of a layer type whose weight's dimension 0
+            parallelism), or of a layer type whose weight's dimension 0
             is neither the rows nor the columns of \(\Gamma\) (an adapter with
             its own `to_matrix` that does not declare the weight transposed).
     """
@@ -75,14 +109,59 @@ def is_sharded(layer: Layer) -> bool:
             "into Γ in its own way: its FSDP2 shards are neither rows nor "
             "columns of Γ, which sharded preconditioning needs."
         )
-    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+    if tuple(weight.placements) not in (SHARDED, HYBRID):
         raise ValueError(
             f"Layer {layer.name!r}: its weight is a DTensor with placements "
             f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-d mesh; "
-            "only FSDP2's sharding along dimension 0 (Shard(0) on a 1-d mesh) is "
-            "supported."
+            "only FSDP2's sharding along dimension 0 (Shard(0) on a 1-d mesh) "
+            "and HSDP's (Replicate(), Shard(0)) on a 2-d mesh are supported."
         )
     return True
+
+
+def is_hybrid(tensor: Tensor) -> bool:
+    """Return whether a parameter is an HSDP shard (replicated and sharded).
+
+    Args:
+        tensor: A parameter.
+
+    Returns:
+        True for a `DTensor` with placements `(Replicate(), Shard(0))`.
+    """
+    return isinstance(tensor, DTensor) and tuple(tensor.placements) == HYBRID
+
+
+def shard_position(tensor: Tensor) -> ShardPosition:
+    """Return where this process's shard of a parameter lies (module docs).
+
+    Args:
+        tensor: A parameter: an FSDP2 or HSDP shard, or a plain tensor.
+
+    Returns:
+        Along an HSDP mesh's shard dimension: this process's position, the
+        number of shards and their process group; else this process's rank and
+        the number of processes (the default group).
+    """
+    if not is_hybrid(tensor):
+        return ShardPosition(rank(), world_size())
+    mesh = tensor.device_mesh
+    return ShardPosition(mesh.get_local_rank(1), mesh.size(1), mesh.get_group(1))
+
+
+def shards_across(layers: Iterable[Layer]) -> ShardPosition:
+    """Return the shard position that the sharded layers of a step share.
+
+    Args:
+        layers: The step's layers.
+
+    Returns:
+        The first sharded layer's `shard_position` (the default group's without
+        one; `groups.check_data_parallel` makes every parameter's mesh the same).
+    """
+    for layer in layers:
+        if is_sharded(layer):
+            return shard_position(layer.weight)
+    return ShardPosition(rank(), world_size())
 
 
 def splits_columns(layer: Layer) -> bool:
@@ -151,7 +230,7 @@ def gamma_zeros(layer: Layer) -> Tensor:
     return DTensor.from_local(
         zeros,
         weight.device_mesh,
-        [Shard(int(by_columns))],
+        [*weight.placements[:-1], Shard(int(by_columns))],  # (HSDP: replicated)
         run_check=False,
         shape=torch.Size((d_C, d_K)),
         stride=(d_K, 1),
@@ -206,34 +285,30 @@ def split_bias(layer: Layer) -> bool:
     return is_sharded(layer) and splits_columns(layer) and len(layer.params) == 2
 
 
-def bias_rows(layer: Layer, rank: int, world_size: int) -> slice:
+def bias_rows(layer: Layer) -> slice:
     r"""Return the rows of \(\Gamma\) whose bias entries this rank holds.
 
     Args:
         layer: A layer with `split_bias`.
-        rank: This rank.
-        world_size: \(P\).
 
     Returns:
         Rows \([r c', r c' + n_r)\), \(c' = \lceil d_C / P \rceil\) and
-        \(n_r\) the length of the local shard.
+        \(n_r\) the length of the local shard (\(r\), \(P\): the bias's
+        `shard_position`).
     """
     bias = layer.params[1]
-    first = rank * -(-bias.shape[0] // world_size)
+    position = shard_position(bias)
+    first = position.index * -(-bias.shape[0] // position.count)
     return slice(first, first + local(bias).shape[0])
 
 
-def column_block(
-    layer: Layer, grads: list[Tensor | None], rank: int, world_size: int
-) -> Tensor:
+def column_block(layer: Layer, grads: list[Tensor | None]) -> Tensor:
     r"""Return \([\,\Gamma_r\;\tilde g_r\,]\), this rank's block of \(\Gamma\).
 
     Args:
         layer: A layer with `split_bias`.
         grads: The local shards of its weight's and bias's gradients (None:
             zero).
-        rank: This rank.
-        world_size: \(P\).
 
     Returns:
         A new tensor `[d_C, n + 1]`: the weight's \(n\) local columns of
@@ -247,25 +322,21 @@ def column_block(
     block = columns.new_zeros(layer.dims[1], columns.shape[1] + 1)
     block[:, :-1] = columns
     if grad_bias is not None:
-        block[bias_rows(layer, rank, world_size), -1] = grad_bias
+        block[bias_rows(layer), -1] = grad_bias
     return block
 
 
-def block_parts(
-    layer: Layer, block: Tensor, rank: int, world_size: int
-) -> list[Tensor]:
+def block_parts(layer: Layer, block: Tensor) -> list[Tensor]:
     r"""Split a direction's block into the local shards of weight and bias.
 
     Args:
         layer: A layer with `split_bias`.
         block: `[d_C, n + 1]`: this rank's weight columns of \(\Delta\), then
             \(\Delta\)'s whole last column.
-        rank: This rank.
-        world_size: \(P\).
 
     Returns:
         The weight's part (in its layout) and the bias's rows.
     """
     weight = local(layer.params[0])
     (part,) = layer.adapter.from_matrix(block[:, :-1], (weight,))
-    return [part, block[bias_rows(layer, rank, world_size), -1]]
+    return [part, block[bias_rows(layer), -1]]

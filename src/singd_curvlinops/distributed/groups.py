@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops.distributed.collectives import initialized, world_size
+from singd_curvlinops.distributed.fsdp import is_hybrid
 
 
 def check_data_parallel(model: Module) -> None:
@@ -44,8 +45,34 @@ def check_data_parallel(model: Module) -> None:
         ranks = dist.get_process_group_ranks(model.process_group)
         if message := _partial(ranks, "model is a DistributedDataParallel"):
             raise ValueError(message)
+    meshes: dict[tuple, str] = {}
     for name, parameter in model.named_parameters():
         _check_mesh(name, parameter)
+        if isinstance(parameter, DTensor):
+            meshes.setdefault(tuple(parameter.device_mesh.mesh.shape), name)
+    if len(meshes) > 1:  # (the step's collectives run over one mesh's shards)
+        (first, one), (second, other) = list(meshes.items())[:2]
+        raise ValueError(
+            f"Parameters {one!r} and {other!r} are DTensors on device meshes of "
+            f"shapes {first} and {second}: the optimizer combines the shards of "
+            "every layer over one mesh, so shard every unit on the same mesh."
+        )
+
+
+def hybrid_parameter(model: Module) -> str | None:
+    """Return the name of a parameter that HSDP shards and replicates, if any.
+
+    Args:
+        model: The model handed to the optimizer.
+
+    Returns:
+        The first parameter whose placements are `(Replicate(), Shard(0))` on a
+        2-d mesh (`fsdp.is_hybrid`), or None.
+    """
+    for name, parameter in model.named_parameters():
+        if is_hybrid(parameter):
+            return name
+    return None
 
 
 def _check_mesh(name: str, tensor: Tensor) -> None:
@@ -81,6 +108,6 @@ def _partial(ranks: list[int], what: str) -> str | None:
     return (
         f"{what} over the processes {ranks}: the optimizer combines statistics "
         "over the default process group, so its data parallelism must span all "
-        f"{world} processes in rank order (a subgroup or a hybrid mesh is not "
-        "supported)."
+        f"{world} processes in rank order (a subgroup, or a mesh over part of "
+        "them, is not supported)."
     )

@@ -37,7 +37,7 @@ from singd_curvlinops.distributed.exchange import (
     describe_layers,
     describe_options,
 )
-from singd_curvlinops.distributed.fsdp import is_sharded
+from singd_curvlinops.distributed.fsdp import is_sharded, shards_across
 from singd_curvlinops.layers import Layer
 from singd_curvlinops.rules import FactorRule
 from singd_curvlinops.structures import StructuredMatrix
@@ -198,8 +198,8 @@ class DistributionStrategy:
             stepper: The shell's `LayerStepper`.
             layers: The layers of this step, in the same order on every rank.
         """
-        sharded = world_size() > 1 and any(is_sharded(layer) for layer in layers)
-        if sharded:
+        shards = shards_across(layers)  # (HSDP: this process's replica)
+        if shards.count > 1 and any(is_sharded(layer) for layer in layers):
             plan = dict.fromkeys(layers)
             GatheredStep(
                 stepper,
@@ -207,6 +207,7 @@ class DistributionStrategy:
                 share_state=False,
                 dense_statistics=False,
                 buffers=self.buffers,
+                shards=shards,
             )(layers)
             return
         for layer in layers:

@@ -1,0 +1,128 @@
+"""HSDP (FSDP2 on a 2-d mesh: two replicas of two shards) on four gloo processes.
+
+One spawn (`jobs_hsdp.train_hsdp`): every case trains equal to one process on
+the whole batch, every rank ends with the same parameters, a DCP checkpoint
+resumes bit for bit, the shards' collectives stay within a replica while the
+statistics combine all four processes, and `Shard` strategies and meshes of two
+shapes raise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.harness import TOLERANCE, reference, spawn
+from tests.distributed.jobs_hsdp import CASES_HSDP
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+REPLICA = 2  # the processes of one replica: the shards of a layer
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("hsdp")
+    return spawn("tests.distributed.jobs_hsdp:train_hsdp", WORLD, out)
+
+
+@pytest.mark.parametrize("name", sorted(CASES_HSDP))
+def test_hsdp_equals_one_process(hsdp: list[dict[str, Any]], name: str) -> None:
+    expected = reference(CASES_HSDP[name])
+    for result in hsdp:
+        actual = result[f"params/{name}"]
+        assert len(actual) == len(expected)
+        for a, b in zip(actual, expected, strict=True):
+            assert a.dtype == b.dtype == torch.float64
+            error = ((a - b).abs().max() / b.abs().max()).item()
+            assert error < TOLERANCE, error
+
+
+@pytest.mark.parametrize("name", sorted(CASES_HSDP))
+def test_every_rank_ends_with_the_same_parameters(
+    hsdp: list[dict[str, Any]], name: str
+) -> None:
+    first = hsdp[0][f"params/{name}"]
+    for result in hsdp[1:]:
+        for a, b in zip(result[f"params/{name}"], first, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["graft", "conv1d_graft"])
+def test_a_dcp_checkpoint_resumes_bit_identically(
+    hsdp: list[dict[str, Any]], name: str
+) -> None:
+    """Grafting's moments are DTensors on the 2-d mesh: DCP saves and loads
+    them as the parameters' shards (the resumed run moved: not the start)."""
+    for result in hsdp:
+        run = result[f"resume/{name}"]
+        for a, b in zip(run["resumed"], run["uninterrupted"], strict=True):
+            assert torch.equal(a, b)
+    initial = reference(CASES_HSDP[name], steps=0)
+    moved = hsdp[0][f"resume/{name}"]["resumed"]
+    assert any(not torch.equal(a, b) for a, b in zip(moved, initial, strict=True))
+
+
+def test_the_step_gathers_within_a_replica(hsdp: list[dict[str, Any]]) -> None:
+    """The statistics are all-reduced over all four processes (FSDP2's own
+    all-reduces of the gradients between the replicas aside); the shards' half
+    products are gathered over the two processes of a replica, as many bytes
+    as `bytes_per_step` reports; the step guard agrees over all four."""
+    for result in hsdp:
+        recorded = result["collectives/dense"]
+        reported = result["bytes/dense"]
+        statistics = [
+            size for kind, size, n in recorded if kind == "all_reduce" and n == WORLD
+        ]
+        assert sum(statistics) == reported["statistics"] > 0
+        gathers = [(size, n) for kind, size, n in recorded if kind == "all_gather"]
+        assert gathers == [(reported["gather"], REPLICA)]
+        assert {n for kind, _, n in recorded if kind == "checks"} == {WORLD}
+
+
+@pytest.mark.parametrize("name", ["graft", "conv1d_graft"])
+def test_grafted_norms_sum_over_a_replica(
+    hsdp: list[dict[str, Any]], name: str
+) -> None:
+    """Two float64 numbers per sharded layer, summed over one replica's shards
+    (over all four processes each would count twice)."""
+    for result in hsdp:
+        recorded = result[f"collectives/{name}"]
+        reported = result[f"bytes/{name}"]
+        norms = [(s, n) for kind, s, n in recorded if kind == "all_reduce" and s == 16]
+        layers = 3 if name == "graft" else 2
+        assert norms == [(2 * 8, REPLICA)] * layers
+        # the guard's verdicts (the inputs', each layer's) and the norms
+        assert reported["checks"] == 4 * (1 + layers) + 2 * 8 * layers
+
+
+def test_one_shard_per_replica_combines_nothing(hsdp: list[dict[str, Any]]) -> None:
+    """Four replicas of one shard: every rank steps its whole layers, so no
+    gather and no grafted norms travel (`bytes_per_step` says so too)."""
+    for result in hsdp:
+        recorded = result["collectives/whole"]
+        reported = result["bytes/whole"]
+        assert not [kind for kind, *_ in recorded if kind == "all_gather"]
+        assert reported["gather"] == 0
+        assert {n for kind, _, n in recorded if kind == "all_reduce"} == {WORLD}
+        assert reported["checks"] == 4 * (1 + 3)  # the guard's verdicts alone
+
+
+@pytest.mark.parametrize("distribute", ["shard", "owned", "factors"])
+def test_shard_strategies_refuse_hsdp(
+    hsdp: list[dict[str, Any]], distribute: str
+) -> None:
+    for result in hsdp:
+        message = result[f"misuse/{distribute}"]
+        assert message.startswith("ValueError: distribute="), message
+        assert "HSDP shard" in message and "distribute='replicate'" in message
+
+
+def test_meshes_of_two_shapes_raise(hsdp: list[dict[str, Any]]) -> None:
+    for result in hsdp:
+        message = result["misuse/meshes"]
+        assert message.startswith("ValueError: Parameters '0.weight' and "), message
+        assert "on device meshes of shapes (2, 2) and (4,)" in message, message

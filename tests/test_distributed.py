@@ -560,14 +560,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("options", [[], ["--fsdp", "--distribute", "owned"]])
-def test_ddp_example_runs_under_torchrun(options: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("processes", "options"),
+    [
+        (WORLD, []),
+        (WORLD, ["--fsdp", "--distribute", "owned"]),
+        (4, ["--hsdp", "2"]),  # two replicas of two shards, "shard"
+    ],
+)
+def test_ddp_example_runs_under_torchrun(processes: int, options: list[str]) -> None:
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        str(WORLD),
+        str(processes),
         "--master_addr",
         "127.0.0.1",
         "--master_port",

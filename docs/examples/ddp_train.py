@@ -7,7 +7,8 @@ Run it from the repository root with
 (add `--epochs 1` for a quick check, `--distribute replicate` to have every
 process do all factor work, `--distribute owned` to keep each layer's factors on
 its owner only, `--fsdp` to shard the model with FSDP2 instead of wrapping it in
-DDP). Every process builds the same model, wraps it in
+DDP, `--hsdp 2` with `--nproc_per_node 4` to shard it with HSDP: two replicas
+of two shards). Every process builds the same model, wraps it in
 `DistributedDataParallel` and hands the wrapper to `SINGD` with
 `distribute="shard"`: each layer's factor updates and preconditioning are done by
 one owner process (the costliest layer's two factors by two), and one `all_gather`
@@ -73,21 +74,28 @@ def small_cnn() -> nn.Module:
     )
 
 
-def sharded(model: nn.Module) -> nn.Module:
+def sharded(model: nn.Module, replicas: int = 1) -> nn.Module:
     """Shard the model with FSDP2: each convolution and linear layer, then the root.
 
     Args:
         model: The model.
+        replicas: With more than one, HSDP: a 2-d mesh of `replicas` replicas,
+            each sharded over `world_size / replicas` processes.
 
     Returns:
         It, sharded in place.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None  # (FSDP2's default: a 1-d mesh over every process)
+    if replicas > 1:
+        shape = (replicas, dist.get_world_size() // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     for module in model:
         if isinstance(module, nn.Conv2d | nn.Linear):
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def describe(optimizer: SINGD, model: nn.Module) -> None:
@@ -130,6 +138,9 @@ def main() -> None:
         "--distribute", choices=("shard", "replicate", "owned"), default="shard"
     )
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2")
+    parser.add_argument(
+        "--hsdp", type=int, default=1, metavar="REPLICAS", help="shard with HSDP"
+    )
     args = parser.parse_args()
     distribute = {"owned": Shard(factors="owned")}.get(args.distribute, args.distribute)
 
@@ -140,7 +151,10 @@ def main() -> None:
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
-    model = sharded(small_cnn()) if args.fsdp else DistributedDataParallel(small_cnn())
+    if args.fsdp or args.hsdp > 1:
+        model = sharded(small_cnn(), args.hsdp)
+    else:
+        model = DistributedDataParallel(small_cnn())
     optimizer = SINGD(
         model,
         lr=0.05,

@@ -114,14 +114,6 @@ class KroneckerOptimizer(
             )
         self._distribution = distributed.resolve(distribute, tuple(defaults))
         strategy = self._distribution
-        hybrid = distributed.hybrid_parameter(model)
-        if hybrid is not None and isinstance(strategy, distributed.Shard):
-            raise ValueError(
-                f"distribute={distribute!r}: parameter {hybrid!r} is an HSDP shard "
-                "(placements (Replicate(), Shard(0)) on a 2-d mesh); under HSDP "
-                "only distribute='replicate' is supported, where each replica "
-                "combines its shards as one FSDP2 job does."
-            )
         if rule.per_example and isinstance(strategy, distributed.Shard):
             if strategy.share != "directions":
                 raise ValueError(

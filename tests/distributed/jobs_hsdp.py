@@ -62,6 +62,31 @@ CASES_HSDP = {
     # four replicas of one shard each: every rank holds whole layers
     "whole": Case({**DENSE, "graft": "adamw"}, "hsdp_whole", "replicate"),
     "whole_conv1d": Case(GRAFT, "hsdp_whole", "replicate", model="conv1d"),
+    # owners among all four ranks; the shards' half products within a replica
+    "shard_dense": Case(DENSE, "hsdp"),
+    "shard_sparse": Case(SPARSE, "hsdp"),
+    "shard_ikfac": Case(IKFAC, "hsdp"),
+    "shard_kfac": Case(KFAC_OPTIONS, "hsdp", optimizer="kfac"),
+    "shard_ekfac": Case(EKFAC_OPTIONS, "hsdp", optimizer="ekfac", model="tied"),
+    "shard_accumulate": Case(SPARSE, "hsdp_accumulate"),
+    "shard_fallback": Case(DENSE, "hsdp", model="norm"),
+    "shard_attention": Case(DENSE, "hsdp", model="attention"),
+    "shard_embed": Case(IKFAC, "hsdp", model="embed"),
+    "shard_conv1d_graft": Case(GRAFT, "hsdp", model="conv1d"),
+    "shard_whole": Case(DENSE, "hsdp_whole"),
+    "factors_dense": Case(DENSE, "hsdp", "factors"),
+    "factors_sparse": Case(SPARSE, "hsdp", "factors", model="two"),
+    # owners among all four ranks gather Γ from their replica's shards; the
+    # Conv1D 128→25's K split by column blocks over all four
+    "owned_dense": Case(DENSE, "hsdp", "owned"),
+    "owned_sparse": Case(SPARSE, "hsdp", "owned", model="two"),
+    "owned_kfac": Case(KFAC_OPTIONS, "hsdp", "owned", optimizer="kfac"),
+    "owned_ekfac": Case(EKFAC_OPTIONS, "hsdp", "owned", optimizer="ekfac"),
+    "owned_accumulate": Case(IKFAC, "hsdp_accumulate", "owned"),
+    "owned_fallback": Case(SPARSE, "hsdp", "owned", model="norm"),
+    "owned_conv1d": Case(DENSE, "hsdp", "owned", model="conv1d"),
+    "owned_conv1d_graft": Case(GRAFT, "hsdp", "owned", model="conv1d"),
+    "owned_whole": Case(DENSE, "hsdp_whole", "owned", model="conv1d"),
 }
 RESUME_AT = 3
 
@@ -69,20 +94,24 @@ RESUME_AT = 3
 def train_hsdp(results: dict[str, Any], out: Path) -> None:
     """Train every case; resume two through DCP; record collectives and errors."""
     for name, case in CASES_HSDP.items():
-        results[f"params/{name}"] = params(train(case)[0])
-    for name in ("graft", "conv1d_graft"):
+        model, _, optimizer = train(case)
+        results[f"params/{name}"] = params(model)
+        plan = getattr(optimizer.distribution, "plan", {})
+        results[f"plan/{name}"] = [list(a.owners) for a in plan.values()]
+    resumed = ("graft", "conv1d_graft", "shard_dense", "shard_conv1d_graft")
+    for name in (*resumed, "owned_dense", "owned_conv1d"):
         results[f"resume/{name}"] = _resume(CASES_HSDP[name])
-    for name in ("dense", "graft", "conv1d_graft", "whole"):
+    recorded = ("dense", "graft", "conv1d_graft", "whole", "shard_dense")
+    for name in (*recorded, "owned_sparse", "owned_conv1d"):
         case = CASES_HSDP[name]
         net = wrap(case, build_model(case.model))
         optimizer = make_optimizer(case, net)
         recorded = _recorded(partial(train_step, case, net, optimizer, 0))
         results[f"collectives/{name}"] = recorded
         results[f"bytes/{name}"] = bytes_per_step(optimizer, update=True)
-    for distribute in ("shard", "owned", "factors"):
-        results[f"misuse/{distribute}"] = _error(
-            partial(train, Case(SPARSE, "hsdp", distribute), 1)
-        )
+        plan = getattr(optimizer.distribution, "plan", {})
+        results[f"split/{name}"] = [a.columns for a in plan.values()]
+    results["misuse/unsharded"] = _error(_unsharded_layer)
     results["misuse/meshes"] = _error(_two_meshes)
 
 
@@ -108,11 +137,12 @@ def _resume(case: Case) -> dict[str, Any]:
 
 
 def _recorded(function: Any) -> list[tuple[str, int, int]]:
-    """Return `(kind, bytes, processes)` of every all-reduce and all-gather.
+    """Return `(kind, bytes, processes)` of every all-reduce, all-gather, all-to-all.
 
-    An all-gather's bytes are what each process receives.
+    An all-gather's bytes are what each process receives, an all-to-all's what
+    it sends.
     """
-    originals = dist.all_reduce, dist.all_gather
+    originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single
     recorded: list[tuple[str, int, int]] = []
 
     def processes(kwargs: dict) -> int:
@@ -129,12 +159,34 @@ def _recorded(function: Any) -> list[tuple[str, int, int]]:
         recorded.append(("all_gather", size, processes(kwargs)))
         return originals[1](tensors, tensor, *args, **kwargs)
 
+    def all_to_all_single(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        size = tensor.numel() * tensor.element_size()
+        recorded.append(("all_to_all", size, processes(kwargs)))
+        return originals[2](output, tensor, *args, **kwargs)
+
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    dist.all_to_all_single = all_to_all_single
     try:
         function()
     finally:
-        dist.all_reduce, dist.all_gather = originals
+        dist.all_reduce, dist.all_gather, dist.all_to_all_single = originals
     return recorded
+
+
+def _unsharded_layer() -> None:
+    """One `"shard"` step of a model whose last layer FSDP2 leaves whole (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(
+        "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("r", "s")
+    )
+    case = Case(SPARSE, "hsdp")
+    model = build_model(case.model)
+    for layer in model[:-1]:  # (no root unit: the last Linear stays plain)
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    train_step(case, model, make_optimizer(case, model), 0)
 
 
 def _two_meshes() -> None:

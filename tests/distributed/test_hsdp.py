@@ -51,7 +51,17 @@ def test_every_rank_ends_with_the_same_parameters(
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["graft", "conv1d_graft"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "graft",
+        "conv1d_graft",
+        "shard_dense",
+        "shard_conv1d_graft",
+        "owned_dense",
+        "owned_conv1d",
+    ],
+)
 def test_a_dcp_checkpoint_resumes_bit_identically(
     hsdp: list[dict[str, Any]], name: str
 ) -> None:
@@ -111,14 +121,67 @@ def test_one_shard_per_replica_combines_nothing(hsdp: list[dict[str, Any]]) -> N
         assert reported["checks"] == 4 * (1 + 3)  # the guard's verdicts alone
 
 
-@pytest.mark.parametrize("distribute", ["shard", "owned", "factors"])
-def test_shard_strategies_refuse_hsdp(
-    hsdp: list[dict[str, Any]], distribute: str
+def test_shard_gathers_factors_among_all_and_directions_within_a_replica(
+    hsdp: list[dict[str, Any]],
+) -> None:
+    """Under `"shard"` the owners (any of the four ranks) send their updated
+    factors to all four; the shards' half products travel within a replica."""
+    for result in hsdp:
+        recorded = result["collectives/shard_dense"]
+        reported = result["bytes/shard_dense"]
+        gathers = [(size, n) for kind, size, n in recorded if kind == "all_gather"]
+        assert [n for _, n in gathers] == [WORLD, REPLICA]
+        assert sum(size for size, _ in gathers) == reported["gather"] > 0
+    plan = hsdp[0]["plan/shard_dense"]
+    assert all(result["plan/shard_dense"] == plan for result in hsdp)
+    owners = {owner for sides in plan for owner in sides}
+    assert len(owners) > REPLICA, owners  # (factor work beyond one replica)
+
+
+def test_owners_gather_the_gradient_from_their_replica(
+    hsdp: list[dict[str, Any]],
+) -> None:
+    """Owned factors (sparse: no layer split by column blocks): Γ's blocks go
+    from the owner's replica to the owner, Δ's blocks from the owner to all
+    four ranks, in the step's last two all-to-alls (over all four), as many
+    bytes, all ranks' messages together, as `bytes_per_step` counts; no
+    gather of directions."""
+    reported = hsdp[0]["bytes/owned_sparse"]
+    sent = []
+    for result in hsdp:
+        recorded = result["collectives/owned_sparse"]
+        exchanges = [(size, n) for kind, size, n in recorded if kind == "all_to_all"]
+        assert {n for _, n in exchanges} == {WORLD} and len(exchanges) >= 2
+        sent += [size for size, _ in exchanges[-2:]]
+        assert "all_gather" not in [kind for kind, *_ in recorded]
+    assert sum(sent) == reported["blocks"] > 0 and reported["gather"] == 0
+
+
+def test_column_blocks_gather_the_gradient_within_a_replica(
+    hsdp: list[dict[str, Any]],
+) -> None:
+    """Owned factors, the Conv1D 128→25 split by column blocks over all four
+    ranks: its blocks of Γ are gathered within a replica, the ranks' terms
+    among all four."""
+    assert hsdp[0]["split/owned_conv1d"] == [True, False]
+    reported = hsdp[0]["bytes/owned_conv1d"]
+    for result in hsdp:
+        gathers = [
+            (size, n)
+            for kind, size, n in result["collectives/owned_conv1d"]
+            if kind == "all_gather"
+        ]
+        assert REPLICA in [n for _, n in gathers] and WORLD in [n for _, n in gathers]
+        assert sum(size for size, _ in gathers) == reported["gather"] > 0
+
+
+def test_shard_refuses_a_layer_left_whole_under_hsdp(
+    hsdp: list[dict[str, Any]],
 ) -> None:
     for result in hsdp:
-        message = result[f"misuse/{distribute}"]
-        assert message.startswith("ValueError: distribute="), message
-        assert "HSDP shard" in message and "distribute='replicate'" in message
+        message = result["misuse/unsharded"]
+        assert message.startswith("ValueError: Layer '5' is not sharded"), message
+        assert "layer '0' is an HSDP shard" in message, message
 
 
 def test_meshes_of_two_shapes_raise(hsdp: list[dict[str, Any]]) -> None:

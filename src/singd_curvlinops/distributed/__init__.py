@@ -15,8 +15,7 @@ r"""Data parallelism and sharded factor work on `torch.distributed`.
 - `communication`: the bytes each of them sends; `buffers`: the message
   buffers every strategy keeps between steps.
 - `collectives`: the checks that turn misuse into errors on every rank;
-  `groups`: the check that the model's data parallelism spans the default group
-  (and finds HSDP's replicated shards).
+  `groups`: the check that the model's data parallelism spans the default group.
 
 See the user guide's *Data parallelism* page.
 """
@@ -33,7 +32,7 @@ from singd_curvlinops.distributed.exchange import (
     StatisticsExchange,
     all_reduce_statistics,
 )
-from singd_curvlinops.distributed.groups import check_data_parallel, hybrid_parameter
+from singd_curvlinops.distributed.groups import check_data_parallel
 from singd_curvlinops.distributed.resolution import resolve
 from singd_curvlinops.distributed.shard import Shard
 from singd_curvlinops.distributed.strategy import DistributionStrategy, Replicate
@@ -51,7 +50,6 @@ __all__ = [
     "bytes_per_update",
     "check_data_parallel",
     "check_same_configuration",
-    "hybrid_parameter",
     "initialized",
     "rank",
     "resolve",

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import all_gather_parts, named_collective
-from singd_curvlinops.distributed.fsdp import local
+from singd_curvlinops.distributed.fsdp import ShardPosition, local
 from singd_curvlinops.distributed.shards import (
     assemble,
     block_numel,
@@ -36,18 +36,20 @@ from singd_curvlinops.layers import Layer
 def whole_gradients(
     stepper: Any,
     layers: Sequence[Layer],
-    world_size: int,
+    shards: ShardPosition,
     dtype: torch.dtype,
     buffers: Buffers | None = None,
 ) -> dict[Layer, Tensor | None]:
     r"""Return each layer's whole \(\Gamma\) on every rank, from one `all_gather`.
 
-    A collective: every rank, the same layers in the same order.
+    A collective: every rank, the same layers in the same order (under HSDP
+    among the ranks of each replica, which hold one block each).
 
     Args:
         stepper: The shell's per-layer operations (`LayerStepper`).
         layers: The sharded layers split by column blocks.
-        world_size: The number of ranks.
+        shards: This rank's position among the ranks that hold the blocks
+            (`fsdp.shards_across`).
         dtype: The message's dtype (holds every gradient exactly).
         buffers: The strategy's message buffers (None: allocated here).
 
@@ -56,6 +58,7 @@ def whole_gradients(
         if no rank had a gradient.
     """
     device = local(layers[0].weight).device
+    world_size = shards.count
     parts, dtypes = [], {}
     for layer in layers:
         grad = stepper.gradient(layer)
@@ -67,8 +70,9 @@ def whole_gradients(
         parts += [padded, torch.tensor([flag], dtype=dtype, device=device)]
     numels = [block_numel(layer, world_size) for layer in layers]
     with named_collective("The all_gather of column-split FSDP2 shards"):
+        sizes = [sum(numels)] * world_size
         gathered = all_gather_parts(
-            parts, [sum(numels)] * world_size, dtype, device, buffers, "column shards"
+            parts, sizes, dtype, device, buffers, "column shards", shards.group
         )
     messages = [flat.split(numels) for flat in gathered]  # (per rank, per layer)
     flags = torch.stack([torch.cat([m[-1:] for m in mine]) for mine in messages])

@@ -18,8 +18,8 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   numbers per dense side, each rank's padded to the largest). FSDP2 shards
   split by column blocks add, every step, the gather of their blocks of
   \(\Gamma\) (`column_shards`: each rank's padded block and a flag).
-  Under HSDP the gather of `"replicate"`'s half products runs within a
-  replica: `world_size` is then the mesh's number of shards, \(P\).
+  Under HSDP the gathers of the shards' half products and of a column-split
+  layer's blocks run within a replica, among the mesh's \(P\) shards.
 - **relay**: the point-to-point messages of split layers (`relay`):
   \(d_C d_K + 1\) numbers per split layer and step, and under owned factors
   the helped side's dense factor, \(d^2\) numbers; each sent by one rank to
@@ -29,6 +29,8 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   padded block of \(\Gamma\) and a flag to the owner, and the owner sends
   every rank its block of \(\Delta\) and a flag, in two `all_to_all`s; all
   ranks' messages together (those a rank sends itself included).
+  Under HSDP only the owner's replica sends its blocks of \(\Gamma\) (\(P\)
+  blocks, of \(P\) shards each, and \(W\) blocks of \(\Delta\) back).
 - **checks**: the configuration check (once), not counted; the step check of
   `Shard` (`collectives.StepCheck`: \(3P\) float64 numbers per step, the
   ranks' configuration checksums, step counts and options' fingerprints), at
@@ -77,6 +79,7 @@ from singd_curvlinops.distributed.assignment import column_blocks, stored_entrie
 from singd_curvlinops.distributed.collectives import StepCheck
 from singd_curvlinops.distributed.engine import GatheredStep
 from singd_curvlinops.distributed.fsdp import (
+    ShardPosition,
     any_shards,
     is_sharded,
     local,
@@ -236,13 +239,22 @@ def bytes_per_step(
     # the guard's verdicts ride in the gather (`StepGuard.shareable`)
     shared = not any_shards(layers, fallback)
     options = strategy.step_options(rule)  # (as the step builds it)
-    step = GatheredStep(stepper, plan, **options, share_verdicts=shared, world=world)
+    shards = _shard_count(layers, world)  # (HSDP: a replica's)
+    step = GatheredStep(
+        stepper,
+        plan,
+        **options,
+        share_verdicts=shared,
+        world=world,
+        shards=ShardPosition(0, shards),
+    )
     first, layout = step_layout.layouts(step, layers, [update] * len(layers))
     itemsize = buffer_dtype(layers, groups).itemsize
     gathered = 0
-    for items in ([first] if first else []) + [layout]:
+    among = step.among(layers).count  # (the step's gather)
+    for ranks, items in ([(world, first)] if first else []) + [(among, layout)]:
         shares = [sum(item.numel for item in share) for share in items]
-        gathered += world * max(shares) * itemsize
+        gathered += ranks * max(shares) * itemsize
     if update and options["replicated_updates"]:  # (EKFAC's eigenbases)
         gathered += decompositions.gathered_bytes(layers, plan, rule, groups, world)
     split = [layer for layer in layers if plan[layer].columns]
@@ -250,8 +262,8 @@ def bytes_per_step(
         gathered += _column_bytes(split, groups, world)
     split_shards = [layer for layer in split if is_sharded(layer)]
     if split_shards:  # (their Γ, gathered whole every step: `column_shards`)
-        numel = sum(block_numel(layer, world) for layer in split_shards)
-        gathered += world * numel * itemsize
+        numel = sum(block_numel(layer, shards) for layer in split_shards)
+        gathered += shards * numel * itemsize
     relay = 0
     for layer in filter(step.relayed, layers):
         relay += (layer.dims[0] * layer.dims[1] + 1) * itemsize
@@ -269,8 +281,9 @@ def bytes_per_step(
     check = StepCheck.size(world)  # (`StepCheck`: alone, padded to the summary's)
     if not (update and to_owners):
         check += summary_length(len(keys), world)
-    at_owners = filter(step.at_owner, layers)  # (two messages per rank and layer)
-    blocks = sum(2 * world * block_numel(layer, world) for layer in at_owners)
+    # (a replica's blocks to the owner, and the owner's to every rank)
+    at_owners = filter(step.at_owner, layers)
+    blocks = sum((shards + world) * block_numel(layer, shards) for layer in at_owners)
     return {
         "statistics": statistics,
         "gather": gathered,
@@ -278,6 +291,21 @@ def bytes_per_step(
         "blocks": blocks * itemsize,
         "checks": 8 * check + 4 * verdicts + _graft_norm_bytes(optimizer),
     }
+
+
+def _shard_count(layers: list, world: int) -> int:
+    """Return the ranks of the gather of FSDP2's shards: `world`, HSDP's shards.
+
+    Args:
+        layers: The optimizer's layers.
+        world: The number of ranks counted for.
+
+    Returns:
+        Under HSDP the mesh's number of shards (`fsdp.shards_across`), else
+        `world`.
+    """
+    position = shards_across(layers)
+    return world if position.group is None else position.count
 
 
 def _graft_norm_bytes(optimizer: Any) -> int:
@@ -312,11 +340,14 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
     layers, fallback = list(optimizer.layers), optimizer.fallback_params
     stepper = SimpleNamespace(state=optimizer.state, rule=optimizer.rule)
     plan = dict.fromkeys(layers)
-    position = shards_across(layers)
-    if position.group is not None:  # HSDP: within a replica, over its shards
-        world = position.count
+    world = _shard_count(layers, world)  # (HSDP: within a replica)
     step = GatheredStep(
-        stepper, plan, share_state=False, dense_statistics=False, world=world
+        stepper,
+        plan,
+        share_state=False,
+        dense_statistics=False,
+        world=world,
+        shards=ShardPosition(0, world),
     )
     _, layout = step_layout.layouts(step, layers, [False] * len(layers))
     largest = max(sum(item.numel for item in share) for share in layout)

@@ -40,7 +40,9 @@ computed on every rank from the assignment and the due layers alone
 (`step_layout`). Where every rank preconditions with factors that owners just
 updated — FSDP2's rows, or `Shard(share="factors")` — the factors travel
 first, in an `all_gather` of their own (with `share="factors"` the only one: no
-directions travel).
+directions travel). Under HSDP (`fsdp`) what combines shards (the gather of
+their half products, a column-split layer's blocks of \(\Gamma\)) runs
+within a replica (`among`), and owners gather \(\Gamma\) from their own.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from singd_curvlinops.distributed import (
@@ -62,8 +63,6 @@ from singd_curvlinops.distributed import (
 )
 from singd_curvlinops.distributed.buffers import Buffers
 from singd_curvlinops.distributed.collectives import (
-    all_gather_parts,
-    named_collective,
     rank,
     world_size,
 )
@@ -74,11 +73,9 @@ from singd_curvlinops.distributed.fsdp import (
     local,
 )
 from singd_curvlinops.distributed.layout import (
-    Item,
     Plan,
     buffer_dtype,
     owned_sides,
-    write_received,
 )
 from singd_curvlinops.distributed.relay import Relay
 from singd_curvlinops.layers import Layer
@@ -112,9 +109,9 @@ class GatheredStep:
             count the bytes of a step without one.
         buffers: The strategy's message buffers, kept between steps (None:
             allocated for this step).
-        shards: Where this rank's FSDP2 shards lie (`fsdp.shards_across`; with
-            `plan` all None): under HSDP the step runs within one replica, as
-            a step of its processes alone. None: the default group's.
+        shards: Where this rank's FSDP2 shards lie (`fsdp.shards_across`;
+            under HSDP within its replica: `among`). None: at the rank among
+            all ranks (a 1-d mesh).
     """
 
     def __init__(
@@ -141,11 +138,9 @@ class GatheredStep:
         self.replicated_updates = replicated_updates
         self.kept_by_owners = kept_by_owners
         self.me, self.world = rank(), world or world_size()
-        self.group = None  # (the processes of the step's gather)
-        if shards is not None:
-            self.me, self.world, self.group = shards.index, shards.count, shards.group
+        self.shards = shards or ShardPosition(self.me, self.world)
         self.buffers = buffers
-        self._relay: Relay | None = None  # (one per step, in `__call__`)
+        self.relay: Relay | None = None  # (one per step, in `__call__`)
         self._whole: dict[Layer, Tensor | None] = {}  # (`column_shards`)
 
     def __call__(self, layers: Sequence[Layer]) -> None:
@@ -174,25 +169,32 @@ class GatheredStep:
         at_owners = [layer for layer in layers if self.at_owner(layer)]
         exchanged = relayed or at_owners
         dtype = buffer_dtype(layers, self.stepper.groups) if exchanged else None
-        self._relay = Relay(
+        self.relay = Relay(
             self.stepper, self.plan, layers, relayed, dtype, self.me, self.buffers
         )
         for layer in layers:
             if layer not in split:
                 self._update(layer, is_due[layer], taken.get(layer))
-                self._relay.send(layer)
+                self.relay.send(layer)
         for layer in relayed:  # a helper's work, after its own updates
-            self._relay.help(layer)
+            self.relay.help(layer)
         self.stepper.settle_factors()  # (the guard's host numbers, before sharing)
         sharded = {layer for layer in layers if is_sharded(layer)}
         first, layout = step_layout.layouts(self, layers, due)
         if first:  # the factors first, then the preconditioning
-            self._share(layers, first, {}, slot="factors")
+            everyone = ShardPosition(self.me, self.world)
+            step_layout.share(self, layers, first, {}, everyone, "factors")
         deltas, blocks = {}, {}  # FSDP2 shards under owned factors: at owners
         if at_owners:
             device = local(at_owners[0].weight).device
             exchange = owner_blocks.OwnerBlocks(
-                self._owner, self.me, self.world, dtype, device, self.buffers
+                self._owner,
+                self.me,
+                self.world,
+                dtype,
+                device,
+                self.buffers,
+                shards=self.shards.count,  # (HSDP: a replica's)
             )
             deltas = exchange.precondition(self.stepper, at_owners)
         split_shards = [layer for layer in split if layer in sharded]
@@ -200,7 +202,7 @@ class GatheredStep:
         if split_shards:  # in a message not kept: a whole Γ would undo the sharding)
             groups = self.stepper.groups
             self._whole = column_shards.whole_gradients(
-                self.stepper, split_shards, self.world, buffer_dtype(layers, groups)
+                self.stepper, split_shards, self.shards, buffer_dtype(layers, groups)
             )
         # the relayed layers last: their half products arrive meanwhile
         ordered = sorted(layers, key=self.relayed)
@@ -209,8 +211,9 @@ class GatheredStep:
             for layer in ordered
             if layer not in at_owners
         }
-        received = self._share(layers, layout, values)
-        self._relay.finish()
+        among = self.among(layers)
+        received = step_layout.share(self, layers, layout, values, among)
+        self.relay.finish()
         if at_owners:  # every rank its block of Δ
             blocks = exchange.from_owners(at_owners, deltas)
         for layer in layers:
@@ -234,14 +237,14 @@ class GatheredStep:
                 self.stepper.contribute(layer, statistics)  # (the owner updates)
             elif self.replicated_updates:  # (every rank, in the same order)
                 self.stepper.update(layer, statistics)
-            elif self._relay.helped_here(layer) and statistics is not None:
-                self._relay.update_helped(layer, statistics)
+            elif self.relay.helped_here(layer) and statistics is not None:
+                self.relay.update_helped(layer, statistics)
             elif self.stepper.rule.splits_sides and (sides or self.share_state):
                 self.stepper.update(layer, statistics, sides)  # () advances counters
             elif sides:
                 self.stepper.update(layer, statistics)
         self.stepper.finish(layer, due=due)
-        self._relay.ship(layer)  # (a helped layer's factor, also between updates)
+        self.relay.ship(layer)  # (a helped layer's factor, also between updates)
 
     def relayed(self, layer: Layer) -> bool:
         """Return whether two ranks precondition a layer in turn (`relay`).
@@ -292,6 +295,27 @@ class GatheredStep:
         """
         return self.plan[layer].direction_owner
 
+    def among(self, layers: Sequence[Layer]) -> ShardPosition:
+        r"""Return this rank's position among the ranks of the step's gather.
+
+        Args:
+            layers: The layers of the step.
+
+        Returns:
+            `shards` where the gather carries FSDP2 shards' half products (rows
+            of \(\Gamma P_K\), columns of \(P_C \Gamma\)), which under HSDP
+            travel within a replica; else the rank among all ranks (owners'
+            directions, column blocks' terms). Under HSDP a step carries one
+            kind or the other (`Shard` shards every layer).
+        """
+        rows = any(
+            is_sharded(layer)
+            and not self.at_owner(layer)
+            and not self.split_by_columns(layer)
+            for layer in layers
+        )
+        return self.shards if rows else ShardPosition(self.me, self.world)
+
     def split_by_columns(self, layer: Layer) -> bool:
         r"""Return whether the layer's \(K\) is split by column blocks (`columns`).
 
@@ -328,12 +352,13 @@ class GatheredStep:
         if grad is None:
             return None
         if self.relayed(layer):  # the anchor side on the other side's half product
-            half = self._relay.receive(layer)
+            half = self.relay.receive(layer)
             record = self.stepper.preconditioner(layer, (assignment.anchor,))
             return record.apply_side(assignment.anchor, half, overwrite=True)
         record = self.stepper.preconditioner(layer, (0, 1))
         if sharded and independent_columns(layer):  # finished here
-            direction = shards.scaled_columns(layer, record, grad, self.me, self.world)
+            here, count = self.shards.index, self.shards.count
+            direction = shards.scaled_columns(layer, record, grad, here, count)
             self.stepper.apply(layer, direction)
             return None
         if sharded:  # its rows of Γ P_K, or its columns of P_C Γ
@@ -356,63 +381,6 @@ class GatheredStep:
             layer
         )
 
-    # ---------------------------------------------------------------- sharing
-    def _share(
-        self,
-        layers: Sequence[Layer],
-        layout: list[list[Item]],
-        values: dict,
-        slot: str = "step",
-    ) -> dict[Layer, dict[int, tuple[Tensor, bool]]]:
-        """All-gather every rank's items; write received state; collect the rest.
-
-        Args:
-            layers: The layers of the step.
-            layout: Per rank, its items.
-            values: This rank's direction per layer (None: no gradient).
-            slot: The gather's buffers (`buffers`: the first gather of
-                factors keeps its own, read before the step's gather).
-
-        Returns:
-            Per layer with directions, per sending rank: `(direction, flag)`.
-        """
-        sizes = [sum(item.numel for item in items) for items in layout]
-        if not any(sizes):
-            return {}
-        dtype = buffer_dtype(layers, self.stepper.groups)
-        device = local(layers[0].weight).device
-        parts = [
-            step_layout.item_value(item, values, self.stepper, self._relay)
-            for item in layout[self.me]
-        ]
-        with named_collective("The all_gather of a sharded optimizer's step"):
-            buffers = all_gather_parts(
-                parts, sizes, dtype, device, self.buffers, slot, self.group
-            )
-        directions, flags, verdicts = {}, [], []
-        for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
-            chunks = flat.split([item.numel for item in items])
-            for item, flat_chunk in zip(items, chunks, strict=True):
-                chunk = flat_chunk.view(item.shape)
-                if item.kind == "verdicts":
-                    verdicts.append(chunk)
-                elif item.kind == "direction":
-                    directions[item.layer, sender] = chunk
-                elif item.kind == "flag":
-                    flags.append((item.layer, sender, chunk))
-                elif sender != self.me:
-                    write_received(self.stepper, item, chunk)
-        if verdicts:  # kept only where every rank kept it
-            self.stepper.guard.adopt((torch.stack(verdicts).amin(0) > 0.5).tolist())
-        present = torch.cat([c for *_, c in flags]).tolist() if flags else []
-        received: dict[Layer, dict[int, tuple[Tensor, bool]]] = {}
-        for (layer, sender, _), flag in zip(flags, present, strict=True):
-            received.setdefault(layer, {})[sender] = (
-                directions[layer, sender],
-                bool(flag),
-            )
-        return received
-
     # ---------------------------------------------------------------- apply
     def _apply(
         self, layer: Layer, parts: dict[int, tuple[Tensor, bool]], sharded: bool
@@ -430,18 +398,18 @@ class GatheredStep:
             if terms:
                 direction = columns.finish_direction(self.stepper, layer, terms)
                 if sharded:  # (its block: rows, or columns and the bias column)
-                    rows = shards.held(layer, self.me, self.world)
-                    direction = shards.own_block(
-                        layer, direction, self.me, self.world, rows
-                    )
+                    here, count = self.shards.index, self.shards.count
+                    rows = shards.held(layer, here, count)
+                    direction = shards.own_block(layer, direction, here, count, rows)
                 self.stepper.apply(layer, direction.to(weight.dtype))
             return
         if sharded:
             if not any(flag for _, flag in parts.values()):
                 return
             record = self.stepper.preconditioner(layer, (0, 1))
-            received = [parts[r][0] for r in range(self.world)]
-            direction = shards.finish(layer, record, received, self.me, weight.shape[0])
+            received = [parts[r][0] for r in range(self.shards.count)]
+            here = self.shards.index
+            direction = shards.finish(layer, record, received, here, weight.shape[0])
         else:
             assignment = self.plan[layer]
             direction, flag = parts[assignment.direction_owner]

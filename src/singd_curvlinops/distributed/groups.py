@@ -21,7 +21,6 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from singd_curvlinops.distributed.collectives import initialized, world_size
-from singd_curvlinops.distributed.fsdp import is_hybrid
 
 
 def check_data_parallel(model: Module) -> None:
@@ -57,22 +56,6 @@ def check_data_parallel(model: Module) -> None:
             f"shapes {first} and {second}: the optimizer combines the shards of "
             "every layer over one mesh, so shard every unit on the same mesh."
         )
-
-
-def hybrid_parameter(model: Module) -> str | None:
-    """Return the name of a parameter that HSDP shards and replicates, if any.
-
-    Args:
-        model: The model handed to the optimizer.
-
-    Returns:
-        The first parameter whose placements are `(Replicate(), Shard(0))` on a
-        2-d mesh (`fsdp.is_hybrid`), or None.
-    """
-    for name, parameter in model.named_parameters():
-        if is_hybrid(parameter):
-            return name
-    return None
 
 
 def _check_mesh(name: str, tensor: Tensor) -> None:

@@ -16,6 +16,11 @@ messages' dtype, device and buffers):
 3. `OwnerBlocks.from_owners`: a second `all_to_all` brings every rank its block of
    \(\Delta\) (`shards.own_block`), which it applies like its own gradient.
 
+Under HSDP (`fsdp`: \(R\) replicas of \(P\) shards, rank \(g P + s\) the
+\(s\)-th shard of replica \(g\)) an owner gathers \(\Gamma\) from the \(P\)
+ranks of its own replica (every replica holds the same blocks) and sends its
+blocks of \(\Delta\) to every rank of every replica.
+
 Each block travels with one flag (1: the sender had a gradient; the owner's
 flag says whether \(\Delta\) exists). Per layer and step the owner receives and
 sends `W` blocks, every other rank sends and receives one: \(\Gamma\)'s and
@@ -54,7 +59,7 @@ Owner = Callable[[Layer], int]
 
 
 class OwnerBlocks:
-    """One step's exchanges of FSDP2 blocks with their layers' owners.
+    r"""One step's exchanges of FSDP2 blocks with their layers' owners.
 
     Args:
         owner: The rank that preconditions a layer.
@@ -63,6 +68,8 @@ class OwnerBlocks:
         dtype: The messages' dtype (holds every block exactly).
         device: The messages' device (the layers').
         buffers: The strategy's message buffers (None: allocated per exchange).
+        shards: The number of shards of a layer, \(P\) (None: `world_size`;
+            HSDP: a replica's, module docs).
     """
 
     def __init__(
@@ -73,9 +80,15 @@ class OwnerBlocks:
         dtype: torch.dtype,
         device: torch.device,
         buffers: Buffers | None = None,
+        *,
+        shards: int | None = None,
     ) -> None:
         self.owner, self.me, self.world_size = owner, me, world_size
         self.dtype, self.device, self.buffers = dtype, device, buffers
+        self.shards = shards or world_size
+        # the ranks of this rank's replica, in the order of their shards
+        first = me - me % self.shards
+        self.replica = range(first, first + self.shards)
 
     def precondition(
         self, stepper: Any, layers: Sequence[Layer]
@@ -115,15 +128,18 @@ class OwnerBlocks:
         """
         mine = self._owned_by(layers)[self.me]
         outgoing = [[] for _ in range(self.world_size)]
-        for layer in layers:
-            outgoing[self.owner(layer)].append((layer, gradients[layer]))
-        sources = [mine] * self.world_size  # (every rank sends each of them)
+        for layer in layers:  # (to the owners in this rank's replica)
+            if self.owner(layer) in self.replica:
+                outgoing[self.owner(layer)].append((layer, gradients[layer]))
+        sources = [  # (every rank of this replica sends each of them)
+            mine if sender in self.replica else [] for sender in range(self.world_size)
+        ]
         incoming, flags = self._exchange(outgoing, sources, "to owners")
         gathered: dict[Layer, Tensor | None] = {}
         for index, layer in enumerate(mine):
             gathered[layer] = None
-            if any(flags[sender][index] for sender in range(self.world_size)):
-                blocks = [self._block(layer, sent[index]) for sent in incoming]
+            if any(flags[sender][index] for sender in self.replica):
+                blocks = [self._block(layer, incoming[s][index]) for s in self.replica]
                 # (in the gradient's dtype, as the owner's own block would be)
                 whole = assemble(layer, blocks)
                 gathered[layer] = whole.to(local(layer.weight).dtype)
@@ -149,10 +165,10 @@ class OwnerBlocks:
         for layer in sources[self.me]:
             full = directions[layer]
             for receiver in range(self.world_size):
-                block = None
+                block, shard = None, receiver % self.shards
                 if full is not None:
-                    rows = held(layer, receiver, self.world_size)
-                    block = own_block(layer, full, receiver, self.world_size, rows)
+                    rows = held(layer, shard, self.shards)
+                    block = own_block(layer, full, shard, self.shards, rows)
                 outgoing[receiver].append((layer, block))
         incoming, flags = self._exchange(outgoing, sources, "from owners")
         received: dict[Layer, Tensor | None] = {}
@@ -199,7 +215,7 @@ class OwnerBlocks:
             views of the received buffer, valid until `slot` is lent again) and
             their flags (read from the device once).
         """
-        numel = partial(block_numel, world_size=self.world_size)
+        numel = partial(block_numel, world_size=self.shards)
         send = [sum(numel(layer) for layer, _ in messages) for messages in outgoing]
         sizes = [[numel(layer) for layer in layers] for layers in sources]
         receive = [sum(lengths) for lengths in sizes]
@@ -209,7 +225,7 @@ class OwnerBlocks:
         for layer, block in (message for messages in outgoing for message in messages):
             if block is not None:
                 message = flat[offset : offset + numel(layer)]
-                shape = block_shape(layer, self.world_size)
+                shape = block_shape(layer, self.shards)
                 pad_share(block, layer, message[:-1].view(shape))
                 message[-1] = 1
             offset += numel(layer)
@@ -248,4 +264,4 @@ class OwnerBlocks:
         Returns:
             The block: a view, in `block_shape` (the flag, last, left out).
         """
-        return message[:-1].view(block_shape(layer, self.world_size))
+        return message[:-1].view(block_shape(layer, self.shards))

@@ -35,6 +35,7 @@ from singd_curvlinops.distributed.collectives import (
     world_size,
 )
 from singd_curvlinops.distributed.engine import GatheredStep
+from singd_curvlinops.distributed.fsdp import is_hybrid, is_sharded, shards_across
 from singd_curvlinops.distributed.owner_statistics import owner_ranks
 from singd_curvlinops.distributed.strategy import (
     DistributionStrategy,
@@ -163,11 +164,24 @@ class Shard(DistributionStrategy):
             groups: The parameter groups.
             state: The state.
             rule: The factor rule.
+
+        Raises:
+            ValueError: Under HSDP, if a layer is not sharded (its direction
+                would travel to every rank, not within a replica).
         """
         # A transposed twin (tied weights) shares its layer's factors, owner and
         # work: its statistics go to the layer's owners, sides swapped
         # (`owner_ranks`), and are merged into them (`pending.kronecker_sum`).
         layers = [layer for layer in layers if not layer.swapped]
+        hybrid = [layer for layer in layers if is_hybrid(layer.weight)]
+        whole = [layer.name for layer in layers if not is_sharded(layer)]
+        if hybrid and whole:  # (its direction would travel to every rank)
+            raise ValueError(
+                f"Layer {whole[0]!r} is not sharded, but layer {hybrid[0].name!r} "
+                f"is an HSDP shard: under HSDP, {self!r} needs every layer in an "
+                "FSDP2 unit (fully_shard the root too), or use "
+                "distribute='replicate'."
+            )
         if self.plan:  # gather under the old owners first
             ownership.gather(state, self.plan, groups, rule, owned=self._owned)
         self.plan = self.assignments(layers, groups, rule, world_size())
@@ -263,6 +277,7 @@ class Shard(DistributionStrategy):
             **options,
             share_verdicts=stepper.guard.shareable,
             buffers=self.buffers,
+            shards=shards_across(layers),  # (HSDP: the directions within a replica)
         )(layers)
 
     def step_options(self, rule: FactorRule) -> dict[str, bool]:

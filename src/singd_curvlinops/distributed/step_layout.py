@@ -1,6 +1,7 @@
 r"""What every rank sends in the `all_gather`(s) of a `GatheredStep` (`engine`).
 
-`layouts` lists the items, `item_value` gives this rank's tensor for each.
+`layouts` lists the items, `item_value` gives this rank's tensor for each, and
+`share` gathers them and hands out what arrived.
 
 Every rank computes every rank's layout from the step's assignment and the due
 layers alone, so the gathered buffers split the same way everywhere, and
@@ -27,14 +28,17 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.distributed import shards
-from singd_curvlinops.distributed.fsdp import is_sharded, local
+from singd_curvlinops.distributed.collectives import all_gather_parts, named_collective
+from singd_curvlinops.distributed.fsdp import ShardPosition, is_sharded, local
 from singd_curvlinops.distributed.layout import (
     Item,
+    buffer_dtype,
     kept_everywhere,
     owned_sides,
     rule_keys,
     shape_of,
     verdicts_item,
+    write_received,
 )
 from singd_curvlinops.layers import Layer
 
@@ -53,14 +57,14 @@ def layouts(
         The layout of a first gather of factors (FSDP2 with owned updates, or
         `local_directions`; else None) and of the step's gather, each per rank.
     """
-    world = range(step.world)
-    states = [state_items(step, layers, due, r) for r in world]
-    directions = [direction_items(step, layers, r) for r in world]
+    states = [state_items(step, layers, due, r) for r in range(step.world)]
+    among = range(step.among(layers).count)  # (HSDP: a replica's shards, or all)
+    directions = [direction_items(step, layers, r) for r in among]
     first = None
     sharded = any(map(is_sharded, layers))
     if (sharded or step.local_directions) and any(states):
         first = states  # preconditioning needs the new factors
-    else:
+    elif any(states):  # (every rank's: no shards)
         directions = [s + d for s, d in zip(states, directions, strict=True)]
     if step.share_verdicts and layers:
         for share in first or directions:
@@ -118,7 +122,7 @@ def direction_items(step: Any, layers: Sequence[Layer], r: int) -> list[Item]:
         if step.split_by_columns(layer):  # every rank sends its term of the sum
             shape = (d_C, d_K)
         elif is_sharded(layer):
-            shape = shards.share_shape(layer, step.world)
+            shape = shards.share_shape(layer, step.shards.count)
             if shape is None:  # (finished by each rank alone)
                 continue
         elif step.local_work(layer) or step.plan[layer].direction_owner != r:
@@ -161,3 +165,61 @@ def item_value(item: Item, values: dict, stepper: Any, relay: Any) -> Tensor:
     if direction is None:
         return padded
     return shards.pad_share(direction, item.layer, padded)  # a short shard
+
+
+def share(
+    step: Any,
+    layers: Sequence[Layer],
+    layout: list[list[Item]],
+    values: dict,
+    among: ShardPosition,
+    slot: str = "step",
+) -> dict[Layer, dict[int, tuple[Tensor, bool]]]:
+    """All-gather every rank's items; write received state; collect the rest.
+
+    Args:
+        step: The `GatheredStep`.
+        layers: The layers of the step.
+        layout: Per rank of the gather, its items.
+        values: This rank's direction per layer (None: no gradient).
+        among: This rank's position among the ranks that gather, and their
+            group (the step's: `GatheredStep.among`).
+        slot: The gather's buffers (`buffers`: the first gather of factors
+            keeps its own, read before the step's gather).
+
+    Returns:
+        Per layer with directions, per sending rank: `(direction, flag)`.
+    """
+    sizes = [sum(item.numel for item in items) for items in layout]
+    if not any(sizes):
+        return {}
+    stepper = step.stepper
+    dtype = buffer_dtype(layers, stepper.groups)
+    device = local(layers[0].weight).device
+    parts = [
+        item_value(item, values, stepper, step.relay) for item in layout[among.index]
+    ]
+    with named_collective("The all_gather of a sharded optimizer's step"):
+        buffers = all_gather_parts(
+            parts, sizes, dtype, device, step.buffers, slot, among.group
+        )
+    directions, flags, verdicts = {}, [], []
+    for sender, (items, flat) in enumerate(zip(layout, buffers, strict=True)):
+        chunks = flat.split([item.numel for item in items])
+        for item, flat_chunk in zip(items, chunks, strict=True):
+            chunk = flat_chunk.view(item.shape)
+            if item.kind == "verdicts":
+                verdicts.append(chunk)
+            elif item.kind == "direction":
+                directions[item.layer, sender] = chunk
+            elif item.kind == "flag":
+                flags.append((item.layer, sender, chunk))
+            elif sender != among.index:
+                write_received(stepper, item, chunk)
+    if verdicts:  # kept only where every rank kept it
+        stepper.guard.adopt((torch.stack(verdicts).amin(0) > 0.5).tolist())
+    present = torch.cat([c for *_, c in flags]).tolist() if flags else []
+    received: dict[Layer, dict[int, tuple[Tensor, bool]]] = {}
+    for (layer, sender, _), flag in zip(flags, present, strict=True):
+        received.setdefault(layer, {})[sender] = (directions[layer, sender], bool(flag))
+    return received

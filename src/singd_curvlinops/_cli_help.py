@@ -64,7 +64,8 @@ distributed (--distributed, started by torchrun; gloo on CPU):
   one torch thread each unless --threads), default structure dense; prints one
   table with the slowest process's ms/step (median and spread over the rounds),
   the ratio to replicate, the factor state of the process that holds the most,
-  and the bytes the collectives move; with --fsdp the model is sharded by FSDP2;
+  and the bytes the collectives move; with --fsdp the model is sharded by FSDP2,
+  with --hsdp R by HSDP (R replicas, each sharded over its processes);
   with --optimizer ekfac, EKFAC (structures auto) under replicate, shard and
   Shard(factors="owned").
 """

@@ -215,6 +215,13 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     add("--fsdp", action="store_true", help="with --distributed: FSDP2, not DDP")
     add(
+        "--hsdp",
+        type=arguments.positive_int,
+        default=1,
+        metavar="REPLICAS",
+        help="with --distributed: HSDP, REPLICAS replicas of the shards",
+    )
+    add(
         "--optimizer",
         choices=("singd", "ekfac"),
         default="singd",
@@ -339,8 +346,15 @@ def _check_combinations(
                 "training examples."
             )
     elif args.command == "bench":
-        if args.fsdp and not args.distributed:
-            parser.error("bench: --fsdp shards the model of --distributed; add it.")
+        if (args.fsdp or args.hsdp > 1) and not args.distributed:
+            flag = "--fsdp" if args.fsdp else "--hsdp"
+            parser.error(f"bench: {flag} shards the model of --distributed; add it.")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.distributed and world % args.hsdp:
+            parser.error(
+                f"bench: --hsdp {args.hsdp} replicas do not divide the "
+                f"{world} processes into replicas of equal size."
+            )
         if args.optimizer != "singd" and not args.distributed:
             parser.error("bench: --optimizer chooses for --distributed; add it.")
         if args.optimizer == "ekfac" and args.structures:

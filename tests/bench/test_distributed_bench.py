@@ -30,11 +30,25 @@ def test_distributed_benchmark_without_torchrun_exits_with_a_hint(monkeypatch, c
     assert "start it with torchrun --nproc_per_node 2 -m singd_curvlinops" in err
 
 
-def test_fsdp_without_distributed_exits_with_a_hint(capsys):
+@pytest.mark.parametrize("flag", [["--fsdp"], ["--hsdp", "2"]])
+def test_fsdp_without_distributed_exits_with_a_hint(flag, capsys):
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--fsdp"])
+        main(["bench", *flag])
     assert info.value.code == 2
-    assert "--fsdp shards the model of --distributed" in capsys.readouterr().err
+    assert f"{flag[0]} shards the model of --distributed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("replicas", ["3", "0"])
+def test_hsdp_replicas_that_do_not_divide_the_processes_exit(
+    replicas, monkeypatch, capsys
+):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--distributed", "--hsdp", replicas])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    expected = "do not divide the 4 processes" if replicas == "3" else "--hsdp"
+    assert expected in err, err
 
 
 @pytest.mark.parametrize(

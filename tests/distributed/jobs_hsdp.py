@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from singd_curvlinops.bench.distributed import STRATEGIES, Setting, measure_distributed
 from singd_curvlinops.distributed import bytes_per_step
 from tests.distributed.harness import (
     DENSE,
@@ -111,6 +112,12 @@ def train_hsdp(results: dict[str, Any], out: Path) -> None:
         results[f"bytes/{name}"] = bytes_per_step(optimizer, update=True)
         plan = getattr(optimizer.distribution, "plan", {})
         results[f"split/{name}"] = [a.columns for a in plan.values()]
+    for replicas in (1, 2):  # `bench --distributed --fsdp`, and `--hsdp 2`
+        settings = [
+            Setting("cnn", "dense", 1, name, fsdp=True, replicas=replicas)
+            for name in STRATEGIES
+        ]
+        results[f"bench/{replicas}"] = measure_distributed(settings, 1, 1, 0)
     results["misuse/unsharded"] = _error(_unsharded_layer)
     results["misuse/meshes"] = _error(_two_meshes)
 

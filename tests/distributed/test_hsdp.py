@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from singd_curvlinops.bench.distributed import STRATEGIES
+from singd_curvlinops.bench.distributed_report import markdown_table
 from tests.distributed.harness import TOLERANCE, reference, spawn
 from tests.distributed.jobs_hsdp import CASES_HSDP
 
@@ -189,3 +191,20 @@ def test_meshes_of_two_shapes_raise(hsdp: list[dict[str, Any]]) -> None:
         message = result["misuse/meshes"]
         assert message.startswith("ValueError: Parameters '0.weight' and "), message
         assert "on device meshes of shapes (2, 2) and (4,)" in message, message
+
+
+def test_the_distributed_benchmark_shards_with_hsdp(hsdp: list[dict[str, Any]]) -> None:
+    """`bench --distributed --hsdp 2` on four processes: the statistics and
+    the factor state per process as under FSDP2 on four (owners among all
+    four); the half products gathered within a replica, every row of them
+    from two processes instead of four (with less padding, no more bytes)."""
+    flat, hybrid = hsdp[0]["bench/1"], hsdp[0]["bench/2"]
+    assert [r["strategy"] for r in hybrid] == list(STRATEGIES)
+    for fsdp, hsdp_record in zip(flat, hybrid, strict=True):
+        assert hsdp_record["ms_per_step"] > 0
+        assert hsdp_record["factor_mib"] == fsdp["factor_mib"]
+        statistics = hsdp_record["update_bytes"]["statistics"]
+        assert statistics == fsdp["update_bytes"]["statistics"]
+    replicate = (flat[0]["plain_bytes"]["gather"], hybrid[0]["plain_bytes"]["gather"])
+    assert 0 < replicate[1] <= replicate[0]
+    assert "| cnn | 1 | shard |" in markdown_table(hybrid)

@@ -5,7 +5,8 @@ Start it with `torchrun --nproc_per_node 2 -m singd_curvlinops bench
 otherwise). Every process builds the same seeded workload
 (`bench.workloads`), wraps the model in `DistributedDataParallel` (with
 `--fsdp`: shards it with FSDP2, `fully_shard` on every module that holds
-parameters, then on the root) and trains on its share of the fixed batch (split
+parameters, then on the root; with `--hsdp R` the same on a 2-d mesh of `R`
+replicas) and trains on its share of the fixed batch (split
 evenly), so the global batch is the
 single-process benchmark's. Every configuration (model, structure, `T`,
 strategy) trains its own copy of the model; all are warmed up, then timed in
@@ -69,6 +70,8 @@ class Setting:
         fsdp: Whether FSDP2 shards the model (else DDP wraps it).
         optimizer: `"singd"`, or `"ekfac"` (`EKFAC` with the benchmark's KFAC
             hyperparameters; `structure` is then `"auto"`).
+        replicas: With more than one (and `fsdp`), HSDP: the processes form
+            `replicas` replicas, each sharding the model over its processes.
     """
 
     model: str
@@ -77,6 +80,7 @@ class Setting:
     strategy: str
     fsdp: bool = False
     optimizer: str = "singd"
+    replicas: int = 1
 
 
 def _largest(value: float) -> float:
@@ -129,7 +133,10 @@ def _build(
     )
     inputs, targets = workload.inputs[share], workload.targets[share]
     model = copy.deepcopy(workload.model)
-    model = sharded(model) if setting.fsdp else DistributedDataParallel(model)
+    if setting.fsdp:
+        model = sharded(model, setting.replicas)
+    else:
+        model = DistributedDataParallel(model)
     options = {
         "T": setting.T,
         "loss_average": workload.loss_average,
@@ -146,21 +153,28 @@ def _build(
     return optimizer, lambda: train_step(model, optimizer, inputs, targets), rows
 
 
-def sharded(model: nn.Module) -> nn.Module:
+def sharded(model: nn.Module, replicas: int = 1) -> nn.Module:
     """Shard a model with FSDP2: a unit per module that holds parameters, the root.
 
     Args:
         model: The model.
+        replicas: With more than one, HSDP: a 2-d mesh of `replicas` replicas
+            of `world_size / replicas` shards.
 
     Returns:
         It, sharded in place.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None  # (FSDP2's default: a 1-d mesh over every process)
+    if replicas > 1:
+        shape = (replicas, dist.get_world_size() // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     for module in model.modules():
         if module is not model and next(module.parameters(False), None) is not None:
-            fully_shard(module)
-    return fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def statistics_rows(optimizer: SINGD, model: nn.Module, inputs: Tensor) -> dict:
@@ -335,7 +349,7 @@ def run_distributed_bench(args: Any) -> int:
 
     Args:
         args: The parsed command line (`models`, `structures`, `T`, `rounds`,
-            `steps_per_block`, `warmup`, `threads`, `fsdp`, `json`).
+            `steps_per_block`, `warmup`, `threads`, `fsdp`, `hsdp`, `json`).
 
     Returns:
         Exit code 0 (rank 0 prints the table and writes the JSON file).
@@ -345,8 +359,9 @@ def run_distributed_bench(args: Any) -> int:
     torch.set_num_threads(args.threads or 1)
     ekfac = args.optimizer == "ekfac"
     structures = ["auto"] if ekfac else args.structures or ["dense"]
+    fsdp = args.fsdp or args.hsdp > 1
     settings = [
-        Setting(model, structure, T, strategy, args.fsdp, args.optimizer)
+        Setting(model, structure, T, strategy, fsdp, args.optimizer, args.hsdp)
         for model in args.models
         for structure in structures
         for T in args.T

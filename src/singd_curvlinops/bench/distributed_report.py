@@ -86,6 +86,16 @@ def preamble(args: Any) -> str:
     if args.fsdp:
         wrapper = "FSDP2 (a unit per module with parameters, and the root)"
         gradients = "FSDP2's parameter all-gathers and gradient reduce-scatters"
+    if args.hsdp > 1:
+        shards = dist.get_world_size() // args.hsdp
+        wrapper = (
+            f"HSDP ({args.hsdp} replicas of {shards} shards; a unit per module "
+            "with parameters, and the root)"
+        )
+        gradients = (
+            "FSDP2's parameter all-gathers and gradient reduce-scatters, and the "
+            "replicas' gradient all-reduces"
+        )
     return (
         f"torch {torch.__version__}, float32, CPU, gloo, {dist.get_world_size()} "
         f"processes with {torch.get_num_threads()} torch thread(s) each, "

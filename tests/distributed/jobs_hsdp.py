@@ -93,7 +93,8 @@ RESUME_AT = 3
 
 
 def train_hsdp(results: dict[str, Any], out: Path) -> None:
-    """Train every case; resume two through DCP; record collectives and errors."""
+    """Train every case; resume six through DCP; record collectives, the
+    benchmark and errors."""
     for name, case in CASES_HSDP.items():
         model, _, optimizer = train(case)
         results[f"params/{name}"] = params(model)
@@ -102,8 +103,8 @@ def train_hsdp(results: dict[str, Any], out: Path) -> None:
     resumed = ("graft", "conv1d_graft", "shard_dense", "shard_conv1d_graft")
     for name in (*resumed, "owned_dense", "owned_conv1d"):
         results[f"resume/{name}"] = _resume(CASES_HSDP[name])
-    recorded = ("dense", "graft", "conv1d_graft", "whole", "shard_dense")
-    for name in (*recorded, "owned_sparse", "owned_conv1d"):
+    watched = ("dense", "graft", "conv1d_graft", "whole", "shard_dense")
+    for name in (*watched, "owned_sparse", "owned_conv1d"):
         case = CASES_HSDP[name]
         net = wrap(case, build_model(case.model))
         optimizer = make_optimizer(case, net)

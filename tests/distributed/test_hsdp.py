@@ -1,10 +1,12 @@
 """HSDP (FSDP2 on a 2-d mesh: two replicas of two shards) on four gloo processes.
 
-One spawn (`jobs_hsdp.train_hsdp`): every case trains equal to one process on
-the whole batch, every rank ends with the same parameters, a DCP checkpoint
-resumes bit for bit, the shards' collectives stay within a replica while the
-statistics combine all four processes, and `Shard` strategies and meshes of two
-shapes raise.
+One spawn (`jobs_hsdp.train_hsdp`): under every `distribute` each case trains
+equal to one process on the whole batch, every rank ends with the same
+parameters, and DCP checkpoints resume bit for bit; what combines shards stays
+within a replica while the statistics and the owners' work span all four
+processes (the recorded collectives, against `bytes_per_step`); the benchmark
+runs with `--hsdp`; a layer left out of every unit (under `Shard`) and meshes
+of two shapes raise.
 """
 
 from __future__ import annotations

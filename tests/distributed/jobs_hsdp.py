@@ -90,6 +90,13 @@ CASES_HSDP = {
     "owned_whole": Case(DENSE, "hsdp_whole", "owned", model="conv1d"),
 }
 RESUME_AT = 3
+# DCP checkpoints saved on one mesh and loaded on the other: (saved, loaded,
+# distribute), FSDP2's 1-d mesh over four processes and HSDP's 2-d one
+CROSS_MESH = [
+    ("fsdp", "hsdp", "owned"),
+    ("hsdp", "fsdp", "shard"),
+    ("fsdp", "hsdp", "replicate"),
+]
 
 
 def train_hsdp(results: dict[str, Any], out: Path) -> None:
@@ -113,6 +120,9 @@ def train_hsdp(results: dict[str, Any], out: Path) -> None:
         results[f"bytes/{name}"] = bytes_per_step(optimizer, update=True)
         plan = getattr(optimizer.distribution, "plan", {})
         results[f"split/{name}"] = [a.columns for a in plan.values()]
+    for saved, loaded, distribute in CROSS_MESH:
+        tag = f"{saved}->{loaded}/{distribute}"
+        results[f"cross/{tag}"] = _cross_mesh(saved, loaded, distribute, out)
     for replicas in (1, 2):  # `bench --distributed --fsdp`, and `--hsdp 2`
         settings = [
             Setting("cnn", "dense", 1, name, fsdp=True, replicas=replicas)
@@ -139,6 +149,40 @@ def _resume(case: Case) -> dict[str, Any]:
     model.load_state_dict(weights)
     optimizer = make_optimizer(case, net)
     set_optimizer_state_dict(net, optimizer, optim_state_dict=saved)
+    for step in range(RESUME_AT, STEPS):
+        train_step(case, net, optimizer, step)
+    return {"uninterrupted": uninterrupted, "resumed": params(model)}
+
+
+def _cross_mesh(saved: str, loaded: str, distribute: str, out: Path) -> dict:
+    """Save model and optimizer with DCP at `RESUME_AT` on one mesh, resume on
+    the other (DCP reshards the DTensors); record both runs' parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    case = Case(GRAFT, saved, distribute)
+    model = build_model(case.model)
+    net = wrap(case, model)
+    optimizer = make_optimizer(case, net)
+    folder = out / f"{saved}-{loaded}-{distribute}"
+    for step in range(STEPS):
+        if step == RESUME_AT:
+            state = get_optimizer_state_dict(net, optimizer)
+            dcp.save(
+                {"model": model.state_dict(), "optim": state}, checkpoint_id=folder
+            )
+        train_step(case, net, optimizer, step)
+    uninterrupted = params(model)
+    case = Case(GRAFT, loaded, distribute)
+    model = build_model(case.model)
+    net = wrap(case, model)
+    optimizer = make_optimizer(case, net)
+    target = {
+        "model": model.state_dict(),
+        "optim": get_optimizer_state_dict(net, optimizer),
+    }
+    dcp.load(target, checkpoint_id=folder)
+    model.load_state_dict(target["model"])
+    set_optimizer_state_dict(net, optimizer, optim_state_dict=target["optim"])
     for step in range(RESUME_AT, STEPS):
         train_step(case, net, optimizer, step)
     return {"uninterrupted": uninterrupted, "resumed": params(model)}

@@ -340,24 +340,24 @@ def _replicated_shards(optimizer: Any, world: int) -> dict[str, int]:
     layers, fallback = list(optimizer.layers), optimizer.fallback_params
     stepper = SimpleNamespace(state=optimizer.state, rule=optimizer.rule)
     plan = dict.fromkeys(layers)
-    world = _shard_count(layers, world)  # (HSDP: within a replica)
+    shards = _shard_count(layers, world)  # (HSDP: within a replica)
     step = GatheredStep(
         stepper,
         plan,
         share_state=False,
         dense_statistics=False,
         world=world,
-        shards=ShardPosition(0, world),
+        shards=ShardPosition(0, shards),
     )
     _, layout = step_layout.layouts(step, layers, [False] * len(layers))
     largest = max(sum(item.numel for item in share) for share in layout)
-    largest *= world > 1  # (one shard per replica: nothing gathered)
+    largest *= shards > 1  # (one shard per replica: nothing gathered)
     itemsize = buffer_dtype(layers, optimizer.param_groups).itemsize
     # the inputs' verdict (`verdicts.inputs_verdict`), then the shards' steps
     verdicts = 1 + sum(map(is_sharded, layers))
     verdicts += sum(isinstance(param, DTensor) for param in fallback)
     checks = 4 * verdicts + _graft_norm_bytes(optimizer)
-    gather = world * largest * itemsize
+    gather = shards * largest * itemsize
     return {"gather": gather, "relay": 0, "blocks": 0, "checks": checks}
 
 

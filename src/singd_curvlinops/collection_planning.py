@@ -64,9 +64,11 @@ def plan_collection(
         reads = rule.reads_preconditioner
         record = records(layer, ()) if reads else None
         project = partial(rule.project, record, group=options)
-        rows = distribution.rows == "projected"  # owners form them
+        rows = distribution.keeps_rows(rule)  # owners form them
         if rows and gram_rows.applies(layer, rule, options):
-            project = gram_rows.project_to_rows(record, project)
+            project = gram_rows.project_to_rows(
+                record, project, shared_inputs=rule.per_example
+            )
         if layer.twin is not None:
             flipped = None if record is None else record.transposed()
             twin_options = layer.twin.options(group)

@@ -643,15 +643,22 @@ def _slot(key: tuple) -> str:
 
 
 def _recorded(function: Any) -> dict[str, int]:
-    """Return the bytes of the all-reduces, all-gathers, all-to-alls and sends."""
+    """Return the bytes of the all-reduces, all-gathers, all-to-alls, sends and
+    reduces."""
     originals = dist.all_reduce, dist.all_gather, dist.all_to_all_single, dist.isend
+    reduce = dist.reduce
     recorded = {
         "all_reduce": [],
         "all_gather": [],
         "all_to_all": [],
         "isend": [],
+        "reduce": [],  # (EKFAC's eigenvalue sums to their owner: destination, bytes)
         "checks": [],  # the integer all-reduces: checks and agreements
     }
+
+    def reducing(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
+        recorded["reduce"].append((dst, tensor.numel() * tensor.element_size()))
+        return reduce(tensor, dst, *args, **kwargs)
 
     def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         recorded["isend"].append(tensor.numel() * tensor.element_size())
@@ -678,10 +685,12 @@ def _recorded(function: Any) -> dict[str, int]:
 
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
     dist.all_to_all_single, dist.isend = all_to_all_single, isend
+    dist.reduce = reducing
     try:
         function()
     finally:
         dist.all_reduce, dist.all_gather, dist.all_to_all_single, dist.isend = originals
+        dist.reduce = reduce
     return recorded
 
 

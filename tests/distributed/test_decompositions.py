@@ -77,9 +77,11 @@ def test_sharded_decompositions_train_as_one_process(
                 error = ((actual - wanted).abs().max() / wanted.abs().max()).item()
                 assert error < TOLERANCE, (distribute, error)
         replicate = result[f"replicate/{model}"]["params"]
-        for distribute in ("shard", "owned"):  # (the same bits)
-            trained = result[f"{distribute}/{model}"]["params"]
-            assert all(map(torch.equal, trained, replicate)), distribute
+        # (the same bits under "shard"; with owned factors the owner forms a
+        # dense side's statistics from every rank's rows in one product, which
+        # rounds otherwise than the all-reduce of each rank's product)
+        trained = result[f"shard/{model}"]["params"]
+        assert all(map(torch.equal, trained, replicate))
     for distribute in ("shard", "owned"):
         first, second = (r[f"{distribute}/{model}"]["params"] for r in ranks)
         assert all(map(torch.equal, first, second))

@@ -483,17 +483,16 @@ def test_recorded_bytes_of_fsdp2_blocks_at_their_owners(
         assert all(not result[f"bytes/{name}/{step}"]["all_gather"] for result in w2)
 
 
-@pytest.mark.parametrize("name", ["ekfac_shard", "ekfac_owned"])
-def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict], name: str) -> None:
-    """EKFAC under `"shard"` and owned factors: the step check alone first; on
-    update steps the statistics and each layer's eigenvalue sums all-reduced
-    (every rank updates, or contributes to the owner's update) and the
-    eigenbases gathered from the ranks that computed them; the owners'
-    directions in the gather every step; no all-to-all."""
+def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict]) -> None:
+    """EKFAC under `"shard"`: the step check alone first; on update steps the
+    statistics and each layer's eigenvalue sums all-reduced (every rank
+    updates) and the eigenbases gathered from the ranks that computed them;
+    the owners' directions in the gather every step; no all-to-all."""
     for result in w2:
         for step in (0, 1):
-            recorded = result[f"bytes/{name}/{step}"]
-            reported = result[f"bytes/{name}/{step}/reported"]
+            recorded = result[f"bytes/ekfac_shard/{step}"]
+            reported = result[f"bytes/ekfac_shard/{step}/reported"]
+            assert not recorded["reduce"]
             assert len(recorded["all_gather"]) == (2 if step == 0 else 1)
             assert sum(recorded["all_gather"]) == reported["gather"]
             assert reported["gather"] > 0 and not recorded["all_to_all"]
@@ -501,6 +500,42 @@ def test_recorded_bytes_of_ekfac_under_shard(w2: list[dict], name: str) -> None:
             assert check == reported["checks"]
             assert sum(exchange) == reported["statistics"]
             assert len(exchange) == (1 + 3 if step == 0 else 0)  # (three layers)
+
+
+def test_recorded_bytes_of_ekfac_with_owned_factors(w2: list[dict]) -> None:
+    """EKFAC under owned factors (before 2026-12-05 all-reduced as under
+    `"shard"`): on update steps the summary with the step check at its head,
+    the statistics to each layer's owner in one all-to-all (the linear layers'
+    as rows), the owners' agreement on what they formed, and each layer's
+    eigenvalue sums reduced to its owner alone; the eigenbases gathered from
+    the owners; the directions in the gather every step. Between updates the
+    step check alone, padded to the summary's length."""
+    held = [result["held/ekfac_owned"] for result in w2]
+    owners = [ranks.index(True) for ranks in zip(*held, strict=True)]
+    keys = w2[0]["bytes/ekfac_owned/keys"]
+    alone = STEP_CHECK + keys * (6 + 2 * 2) * 8
+    for result in w2:
+        for step in (0, 1):
+            recorded = result[f"bytes/ekfac_owned/{step}"]
+            reported = result[f"bytes/ekfac_owned/{step}/reported"]
+            assert len(recorded["all_gather"]) == (2 if step == 0 else 1)
+            assert sum(recorded["all_gather"]) == reported["gather"] > 0
+            assert recorded["all_reduce"] == [alone]
+            if step == 1:
+                assert not (recorded["all_to_all"] or recorded["reduce"])
+                assert not recorded["checks"] and reported["statistics"] == 0
+                assert reported["checks"] == alone
+                continue
+            assert [dst for dst, _ in recorded["reduce"]] == owners
+            sums = sum(size for _, size in recorded["reduce"])
+            sent = alone - STEP_CHECK + recorded["all_to_all"][0] + sums
+            assert len(recorded["all_to_all"]) == 1 and sent == reported["statistics"]
+            configuration, agreement = recorded["checks"]  # (the first step's)
+            assert configuration == 32 and agreement + STEP_CHECK == reported["checks"]
+    update = w2[0]["bytes/ekfac_owned/0/reported"]["statistics"]
+    dense = w2[0]["bytes/ekfac_owned/dense"]["statistics"]
+    shard = w2[0]["bytes/ekfac_shard/0/reported"]["statistics"]
+    assert update < dense / 2 and update < shard / 2  # (rows, to the owner only)
 
 
 def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> None:

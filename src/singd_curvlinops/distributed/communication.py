@@ -4,7 +4,9 @@ r"""The bytes an optimizer's collectives move per step, computed without running
   layer's \(H_K\), \(H_C\) and an example count (`bytes_per_update`); dense
   \(U_K\), \(U_C\) under `Shard(factors="owned")`; under `Shard` with
   replicated factors the entries are reduced to their owners instead, in one
-  all-to-all (`owner_statistics`), the counts in a small all-reduce.
+  all-to-all (`owner_statistics`), the counts in a small all-reduce. EKFAC
+  adds its eigenvalue sums (all-reduced, or under owned factors reduced to
+  each layer's owner, whose statistics then also travel to it alone).
 - **gather**: the `all_gather` of a sharded step (see `engine`): every rank
   receives every rank's share, padded to the largest, so the gathered buffer
   holds `world_size` times the largest share. Layers whose \(K\) is split by
@@ -118,9 +120,11 @@ def bytes_per_update(
         `Shard(factors="owned")` dense, or in a side's (block-)diagonal
         structure: `raw_gram.kept_structures`) plus one example count, in
         the factors' dtype; for EKFAC also the second collective's
-        \(d_C \times d_K\) sums, in at least float32. Where `Shard` reduces
-        each side to its owner (`owner_statistics`; with owned factors unless a
-        layer is split by column blocks) the same entries travel in one
+        \(d_C \times d_K\) sums, in at least float32 (under owned factors
+        a reduce to the layer's owner, with the same buffer). Where `Shard`
+        reduces each side to its owner (`owner_statistics`; with owned factors
+        unless a layer is split by column blocks, and for EKFAC only with
+        owned factors) the same entries travel in one
         all-to-all (each process's buffer, its own part included), or the
         side's rows (`gram_rows`: `rows` times \(d\) numbers) where all
         processes together have fewer rows than \(d\); and a summary
@@ -130,7 +134,8 @@ def bytes_per_update(
     """
     strategy, total, layers = optimizer.distribution, 0, list(optimizer.layers)
     world = world_size or collectives.world_size()
-    dense = isinstance(strategy, Shard) and strategy.factors == "owned"
+    owned = isinstance(strategy, Shard) and strategy.factors == "owned"
+    dense = owned and not optimizer.rule.per_example  # (EKFAC: rule's structures)
     to_owners = _to_owners(optimizer, world)
     wide = False  # whether the all-reduce travels in float64 (`wire_dtype`)
     # (a transposed twin's statistics travel as its own)
@@ -184,8 +189,8 @@ def _to_owners(optimizer: Any, world: int, plan: dict | None = None) -> bool:
 
     Returns:
         Under `Shard`, where `owner_statistics.owner_ranks` names the owners
-        (as the exchange decides: not for per-example rows, nor with a layer
-        split by column blocks).
+        (as the exchange decides: not for per-example rows unless only
+        owners keep factors, nor with a layer split by column blocks).
     """
     strategy = optimizer.distribution
     if not isinstance(strategy, Shard):

@@ -35,12 +35,16 @@ process computes \(\Sigma_r\) from its own rows in that (common) basis, and
 \(\Sigma = \frac{1}{P^2} \sum_r \Sigma_r\), then scaled by \(\nu(N)\). The
 processes call it in the same order, since each runs the factor updates of the same
 due layers in the order of `layers` (under `Shard` too: such a rule's updates
-are not owned, `GatheredStep.replicated_updates`).
+run on every rank, `GatheredStep.replicated_updates`, or under
+`Shard(factors="owned")` on the owner, the others contributing their
+\(\Sigma_r\)). Where only the owner updates, the sum goes to it alone
+(`sum_on_owner`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -191,6 +195,26 @@ def sum_over_processes(tensor: Tensor) -> Tensor:
     return tensor.div_(world_size() ** 2)
 
 
+def sum_on_owner(owner: int, tensor: Tensor) -> Tensor:
+    r"""Reduce the per-process sums to the layer's owner, divided by \(P^2\).
+
+    `sum_over_processes` for a layer that only its owner updates
+    (`Shard(factors="owned")`): every process sends its \(\Sigma_r\), none
+    receives the sum but the owner.
+
+    Args:
+        owner: The rank that updates the layer.
+        tensor: This process's \(\Sigma_r\) (overwritten; on the other ranks
+            with numbers to be discarded).
+
+    Returns:
+        `tensor`, on the owner \(\frac{1}{P^2} \sum_r \Sigma_r\).
+    """
+    with named_collective("The eigenvalue sums' reduction of the optimizer's step"):
+        dist.reduce(tensor, dst=owner, op=dist.ReduceOp.SUM)
+    return tensor.div_(world_size() ** 2)
+
+
 class StatisticsExchange:
     r"""Replaces the pending statistics of the due layers by those of all processes.
 
@@ -202,7 +226,8 @@ class StatisticsExchange:
         grad_scale: The gradient scale a layer's statistics would carry.
         per_example: Whether the rule keeps per-example rows (EKFAC): their sums
             of squares are then all-reduced by the rule's update, in a second
-            collective (`sum_over_processes`).
+            collective (`sum_over_processes`), or reduced to the layer's owner
+            where its statistics have owners (`sum_on_owner`).
         owners: Given the due layers, per layer the ranks that read its \(K\)
             and \(C\) statistics (`Shard`: they are reduced there only, see
             `owner_statistics`), or None: all-reduced to every rank.
@@ -279,11 +304,15 @@ class StatisticsExchange:
                 finite = formed_statistics.agreed(kept, owners, finite)
             for record, (H_K, H_C), ok in zip(records, kept, finite, strict=True):
                 record.H_K, record.H_C, record.agreed_finite = H_K, H_C, ok
-        for layer, record, total in zip(due, records, totals, strict=True):
-            if total == 0:
+        for index, (layer, record) in enumerate(zip(due, records, strict=True)):
+            if totals[index] == 0:
                 pending.pop(layer, None)
-            else:
-                record.num_examples = total
-                pending[layer] = record
-                if record.examples is not None:
-                    record.examples.reduce = sum_over_processes
+                continue
+            record.num_examples = totals[index]
+            pending[layer] = record
+            if record.examples is not None:  # (EKFAC: K's owner updates the layer)
+                record.examples.reduce = (
+                    sum_over_processes
+                    if owners is None
+                    else partial(sum_on_owner, owners[index][0])
+                )

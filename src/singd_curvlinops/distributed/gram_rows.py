@@ -21,7 +21,10 @@ rows than \(d\), they are folded into the dense part \(D\) (memory stays at most
 numbers (`owner_statistics` decides per side, from every rank's row count).
 
 Under `Shard(factors="owned")` the hooks keep the raw rows instead (\(B = a\)),
-which the owner projects itself (`raw_gram`).
+which the owner projects itself (`raw_gram`). EKFAC's statistics are KFAC's
+(\(B = a\), \(g\)); they travel as rows to the layer's owner under
+`Shard(factors="owned")` only, since under `"shard"` every rank updates every
+factor from the all-reduced statistics (`Shard.keeps_rows`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ import torch
 from torch import Tensor
 
 from singd_curvlinops.layers import Layer
-from singd_curvlinops.rules import FactorRule, KFACRule, Preconditioner, SINGDRule
+from singd_curvlinops.rules import (
+    EKFACRule,
+    FactorRule,
+    KFACRule,
+    Preconditioner,
+    SINGDRule,
+)
 from singd_curvlinops.structures import DenseMatrix, StructuredMatrix
 
 Projection = Callable[[Tensor, Tensor], tuple[StructuredMatrix, StructuredMatrix]]
@@ -157,9 +166,10 @@ class GramRows:
 def applies(layer: Layer, rule: FactorRule, group: Mapping[str, Any]) -> bool:
     """Return whether a layer's statistics may be kept as rows.
 
-    For SINGD (and IKFAC) and KFAC, whose statistics are the Gram matrices above,
-    with dense factors on both sides; not for a layer with a transposed twin,
-    whose two orientations combine non-linearly (`pending.kronecker_sum`).
+    For SINGD (and IKFAC), KFAC and EKFAC, whose statistics are the Gram
+    matrices above, with dense factors on both sides; not for a layer with a
+    transposed twin, whose two orientations combine non-linearly
+    (`pending.kronecker_sum`).
 
     Args:
         layer: The layer.
@@ -170,7 +180,7 @@ def applies(layer: Layer, rule: FactorRule, group: Mapping[str, Any]) -> bool:
         Whether `project_to_rows` may replace the rule's projection.
     """
     dense = all(name == "dense" for name in rule.structures(group))
-    known = type(rule) in (SINGDRule, KFACRule) and not rule.per_example
+    known = type(rule) in (SINGDRule, KFACRule, EKFACRule)
     return dense and known and layer.twin is None and not layer.swapped
 
 
@@ -216,14 +226,20 @@ def as_structured(matrix: Any) -> StructuredMatrix:
 
 
 def project_to_rows(
-    preconditioner: Preconditioner | None, fallback: Projection
+    preconditioner: Preconditioner | None,
+    fallback: Projection,
+    *,
+    shared_inputs: bool = False,
 ) -> Projection:
     r"""Return the hooks' projection that keeps rows (see the module docs).
 
     Args:
         preconditioner: The layer's current factors (SINGD: \(B = a K\),
-            \(g C\)), or None (KFAC: \(B = a\), \(g\)).
+            \(g C\)), or None (KFAC, EKFAC: \(B = a\), \(g\)).
         fallback: The rule's projection, for rows that are not a dense tensor.
+        shared_inputs: Whether the hooks keep `a` elsewhere too (EKFAC's
+            per-example gradients): then the rows are a copy, since scaling
+            `GramRows` scales its rows in place.
 
     Returns:
         `(a, g) -> (GramRows, GramRows)`.
@@ -233,7 +249,7 @@ def project_to_rows(
         if not (isinstance(a, Tensor) and isinstance(g, Tensor)):
             return fallback(a, g)
         if preconditioner is None:  # `a` is the hooks' buffer, `g` maybe autograd's
-            return GramRows(a), GramRows(g.clone())
+            return GramRows(a.clone() if shared_inputs else a), GramRows(g.clone())
         K, C = preconditioner.K, preconditioner.C
         return GramRows(a @ _matrix(K)), GramRows(g @ _matrix(C))
 

@@ -44,8 +44,12 @@ statistics of sides it neither owns nor needs the trace of stay its own, unused.
 A transposed twin (tied weights) is reduced to its layer's owners with the sides
 swapped: `pending.kronecker_sum` combines the two orientations from each side's
 statistics and the other side's average trace, which is what an owner holds.
-Per-example rows (EKFAC), column blocks and replicated layers keep the
-all-reduce (`owner_ranks` gives None).
+EKFAC's statistics reach their layer's owner in the same way under
+`Shard(factors="owned")` (the owner forms \(R^\top R\) and decomposes it; its
+eigenvalue sums are reduced to it too, `exchange.sum_on_owner`); under
+`"shard"` every rank updates every EKFAC layer, and they are all-reduced.
+Column blocks and replicated layers keep the all-reduce too (`owner_ranks`
+gives None).
 """
 
 from __future__ import annotations
@@ -89,13 +93,15 @@ def owner_ranks(
         layers: The due layers.
         rule: The factor rule.
         owned: Whether only owners keep factors (whole layers; a layer split by
-            column blocks needs its statistics everywhere: then None).
+            column blocks needs its statistics everywhere: then None). A rule
+            with per-example gradients (EKFAC) updates every layer on every
+            rank otherwise (then None).
 
     Returns:
         Per layer `(owner of K, owner of C)`, or None where the statistics must
         reach every rank (see the module docs).
     """
-    if rule.per_example:
+    if rule.per_example and not owned:  # (EKFAC: every rank updates every layer)
         return None
     tied = {layer.twin: layer for layer in plan if layer.twin is not None}
     owners = []

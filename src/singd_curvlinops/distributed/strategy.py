@@ -88,6 +88,17 @@ class DistributionStrategy:
         """
         return None
 
+    def keeps_rows(self, rule: FactorRule) -> bool:
+        """Return whether the hooks keep dense statistics as rows (`gram_rows`).
+
+        Args:
+            rule: The factor rule.
+
+        Returns:
+            False: every rank forms its statistics, which are all-reduced.
+        """
+        return False
+
     def check_holds(self, layer: Layer) -> None:
         """Raise unless this rank keeps the layer's factors.
 
@@ -138,7 +149,8 @@ class DistributionStrategy:
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
-            keep_rows=self.rows == "raw",
+            # (owners project raw rows; EKFAC's owners form them: `keeps_rows`)
+            keep_rows=self.rows == "raw" and not rule.per_example,
             options=None if self.checks_steps else described,
             check=check,
             buffers=self.buffers,

@@ -29,6 +29,7 @@ from singd_curvlinops import parameter_update
 from singd_curvlinops.collector import StatisticsCollector
 from singd_curvlinops.distributed.collectives import named_collective
 from singd_curvlinops.distributed.fsdp import (
+    ShardPosition,
     block_parts,
     column_block,
     is_sharded,
@@ -310,11 +311,13 @@ class LayerStepper:
                 overwritten.
         """
         blocked = split_bias(layer)
-        sharded = is_sharded(layer) and shard_position(layer.weight).count > 1
+        position = shard_position(layer.weight) if is_sharded(layer) else None
+        shards = position if position is not None and position.count > 1 else None
+        sharded = shards is not None
         group = self.group(layer)
         choices = []
         if group["graft"] is not None:  # (on every rank: norms over all shards)
-            choices = self._graft(layer, direction, group, sharded=sharded)
+            choices = self._graft(layer, direction, group, shards=shards)
         if not blocked and not local(layer.params[0]).numel():  # an empty shard
             if choices:  # its grafting counter follows the other ranks' verdict
                 passed = torch.ones((), dtype=torch.bool, device=direction.device)
@@ -343,7 +346,7 @@ class LayerStepper:
         direction: Tensor,
         group: dict[str, Any],
         *,
-        sharded: bool,
+        shards: ShardPosition | None,
     ) -> list[tuple[Tensor, Tensor, Tensor]]:
         r"""Rescale \(\Delta\) to the grafted direction's norm (`parameter_update`).
 
@@ -354,7 +357,9 @@ class LayerStepper:
             layer: The layer.
             direction: \(\Delta\) (this rank's block; rescaled in place).
             group: Its group.
-            sharded: Whether the layer is an FSDP2 shard on several ranks.
+            shards: Where this rank's block lies among the layer's FSDP2
+                shards, if they are on several ranks (else None); under HSDP
+                the norms are summed within the replica (`fsdp.shard_position`).
 
         Returns:
             `(target, new, old)` of the grafting entries, for the step's verdict.
@@ -368,12 +373,11 @@ class LayerStepper:
         blocks = parameter_update.graft_blocks(layer, direction)  # (without the
         # bias rows of other ranks, which a split bias's block carries)
         current = parameter_update.joint_norm(blocks)
-        if sharded:  # (within a replica under HSDP: `fsdp.shard_position`)
+        if shards is not None:
             dtype = torch.promote_types(norm.dtype, current.dtype)
             squares = torch.stack([norm.to(dtype), current.to(dtype)]).square()
-            group = shard_position(layer.weight).group
             with named_collective("The sum of a grafted layer's norms over shards"):
-                dist.all_reduce(squares, group=group)
+                dist.all_reduce(squares, group=shards.group)
             norm, current = squares.sqrt().unbind()
         parameter_update.rescale(direction, norm, current)
         choices = []

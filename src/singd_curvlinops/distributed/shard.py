@@ -119,7 +119,7 @@ class Shard(DistributionStrategy):
             processes and
             `factors="owned"`; else None.
         """
-        if self.rows != "raw" or rule.per_example:  # (EKFAC: Grams, no factors)
+        if not self.projects_raw_rows(rule):
             return None
         kept = raw_gram.kept_structures(layer, rule, group)
         return raw_gram.raw_statistics(kept)

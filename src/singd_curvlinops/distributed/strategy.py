@@ -88,6 +88,19 @@ class DistributionStrategy:
         """
         return None
 
+    def projects_raw_rows(self, rule: FactorRule) -> bool:
+        """Return whether owners project the hooks' raw rows (`raw_gram`).
+
+        Args:
+            rule: The factor rule.
+
+        Returns:
+            Where the hooks keep raw rows (`rows == "raw"`, owned factors), for
+            a rule without per-example gradients; EKFAC's owners form its
+            statistics from rows instead (`keeps_rows`).
+        """
+        return self.rows == "raw" and not rule.per_example
+
     def keeps_rows(self, rule: FactorRule) -> bool:
         """Return whether the hooks keep dense statistics as rows (`gram_rows`).
 
@@ -149,8 +162,7 @@ class DistributionStrategy:
             lambda layer: state[layer.weight]["grad_scale"],
             per_example=rule.per_example,
             owners=lambda due: self.statistics_owners(due, rule),
-            # (owners project raw rows; EKFAC's owners form them: `keeps_rows`)
-            keep_rows=self.rows == "raw" and not rule.per_example,
+            keep_rows=self.projects_raw_rows(rule),
             options=None if self.checks_steps else described,
             check=check,
             buffers=self.buffers,

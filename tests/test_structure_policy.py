@@ -29,6 +29,17 @@ def test_auto_is_dense_within_the_budget_and_diagonal_above() -> None:
     assert _structures(kfac) == {"0": ("dense", "dense"), "2": ("dense", "diagonal")}
 
 
+def test_a_dimension_equal_to_the_budget_is_within_it() -> None:
+    """`max_dense_dim` is the largest dense dimension (the first layer's K: 41)."""
+    assert _structures(SINGD(_model(), max_dense_dim=41))["0"] == ("dense", "dense")
+    assert _structures(SINGD(_model(), max_dense_dim=40))["0"] == ("diagonal", "dense")
+    dense = ("dense", "dense")
+    optimizer = SINGD(_model(), structures=dense, max_dense_dim=300)
+    assert _structures(optimizer)["2"] == dense
+    with pytest.raises(ValueError, match="dimension 300"):
+        SINGD(_model(), structures=dense, max_dense_dim=299)
+
+
 def test_callable_policy_is_asked_per_layer() -> None:
     asked = []
 

@@ -249,9 +249,13 @@ def _run(
     *,
     scaler: torch.amp.GradScaler | None = None,
     clip: float | None = None,
+    tell: bool = True,
     **kwargs,
 ) -> tuple[list[list[Tensor]], list[float]]:
-    """Train on `batches`; return the parameters after every step and grad norms."""
+    """Train on `batches`; return the parameters after every step and grad norms.
+
+    With `scaler` and `clip`, `tell=False` leaves out `set_current_grad_scale`.
+    """
     model = _mlp()
     opt = SINGD(model, **{"lr": 0.05, "T": 2, "lr_cov": 0.1, **kwargs})
     trajectory, norms = [], []
@@ -267,7 +271,8 @@ def _run(
             scaler.scale(loss).backward()
             if clip is not None:
                 scaler.unscale_(opt)
-                opt.set_current_grad_scale(scaler.get_scale())
+                if tell:
+                    opt.set_current_grad_scale(scaler.get_scale())
                 norms.append(nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             scaler.step(opt)
             scaler.update()
@@ -392,6 +397,23 @@ def test_grad_scaler_with_unscale_and_clipping_matches_unscaled_clipping():
     assert scaler.get_scale() == 2.0**19
     torch.testing.assert_close(scaled_norms, norms, rtol=1e-5, atol=0.0)
     _assert_same_trajectory(reference, scaled)
+
+
+def test_unscale_without_telling_the_scale_takes_the_expected_one():
+    """After `scaler.unscale_` alone, the statistics carry the scale they expected.
+
+    With a scale that never changes (and `init_grad_scale`, so that the first
+    step expects it too) that is the actual scale: the run is the unscaled one.
+    """
+    batches = _batches(6)
+    clip = 0.3
+    reference, _ = _run(batches, clip=clip)
+    scaler = _scaler(init_scale=2.0**16, growth_interval=1000)
+    silent, _ = _run(
+        batches, scaler=scaler, clip=clip, tell=False, init_grad_scale=2.0**16
+    )
+    assert scaler.get_scale() == 2.0**16
+    _assert_same_trajectory(reference, silent)
 
 
 # -------------------------------------------------------------------- autocast

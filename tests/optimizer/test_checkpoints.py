@@ -266,6 +266,27 @@ def test_resumed_run_is_bit_identical(tmp_path: Path, structure: str, T: int) ->
     assert "momentum_buffer" in opt.state[weight]
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_rolling_back_an_optimizer_that_stepped_on(tmp_path: Path, T: int) -> None:
+    """Loading an earlier checkpoint into the same objects continues as a resume.
+
+    With `T = 3` the step after the checkpoint updates no factor: it must apply
+    the checkpoint's factors, not products cached from the factors of later steps.
+    """
+    data = batches(8)
+    expected_model, expected_opt = resume(tmp_path, data, 2, T=T)
+    model, opt = setup(T=T)
+    train(model, opt, data[:2])
+    path = tmp_path / "rollback.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    train(model, opt, data[2:7])  # further on, and back
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    train(model, opt, data[2:])
+    assert_same_run(model, opt, expected_model, expected_opt)
+
+
 def test_resume_without_optimizer_state_differs(tmp_path: Path) -> None:
     """The comparison above is sensitive: dropping the optimizer state shows."""
     data, k = batches(6), 3

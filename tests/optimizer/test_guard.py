@@ -334,6 +334,30 @@ def test_a_step_skipped_as_a_whole_is_counted_and_named() -> None:
     assert opt.state[model[0].weight]["step"] == 3
 
 
+def test_a_skipped_step_drops_its_statistics() -> None:
+    """Also where only the model's gradients are reset (`model.zero_grad()`):
+    the next step is the one a run without the bad batch takes, bit for bit."""
+    batches = _batches(3)
+    expected = _mlp()
+    expected_opt = SINGD(expected, lr=0.05, T=1, lr_cov=0.1)
+    for X, Y in batches:
+        _step(expected, expected_opt, X, Y)
+    model = _mlp()
+    opt = SINGD(model, lr=0.05, T=1, lr_cov=0.1)
+    for X, Y in batches[:2]:
+        _step(model, opt, X, Y)
+    X, Y = batches[2]
+    assert len(_step(model, opt, X.clone().fill_(math.inf), Y)) == 1  # skipped
+    model.zero_grad()
+    mse_loss(model(X), Y).backward()
+    opt.step()
+    names = [name for name, _ in model.named_parameters()]
+    assert _changed(_state(expected_opt, expected), _state(opt, model)) == {
+        f"{name}:skipped_steps"
+        for name in names  # the only trace of the skip
+    }
+
+
 @pytest.mark.parametrize("cls", [KFAC, EKFAC], ids=lambda cls: cls.__name__)
 def test_kfac_and_ekfac_skip_a_non_finite_step_without_raising(cls) -> None:
     """The update runs on the device before the verdict is read: KFAC's averages

@@ -133,6 +133,23 @@ def test_uses_of_one_pass_join_into_one_gradient_per_example() -> None:
     assert not torch.allclose(apart, expected)
 
 
+def test_uses_of_one_pass_over_other_examples_stay_apart() -> None:
+    """A layer applied to the batch and to a part of it in one pass: the uses
+    cannot be matched example by example, so each use's squares are summed."""
+    generator = torch.Generator().manual_seed(5)
+    d_K, d_C, positions = 3, 2, 2
+    Q_K, Q_C = orthogonal(d_K, generator), orthogonal(d_C, generator)
+    record, chunks = ExampleGradients(), []
+    for num in (6, 3):
+        a = torch.randn(num, positions, d_K, generator=generator, dtype=torch.float64)
+        g = torch.randn(num, positions, d_C, generator=generator, dtype=torch.float64)
+        record.add(a.flatten(0, 1), g.flatten(0, 1), num, pass_id=7)
+        chunks.append((a, g))
+    result = record.squared_projections(Q_K, Q_C, dims=(d_K, d_C), device=CPU)
+    assert len(record.chunks) == 2
+    assert torch.allclose(result, reference(chunks, Q_K, Q_C), rtol=1e-12, atol=0)
+
+
 def one_hot_rows(tokens: Tensor, vocabulary: int, padding_idx: int | None):
     """The embedding adapter's sparse `"expand"` rows and the same rows densely."""
     from singd_curvlinops.layers import EmbeddingAdapter

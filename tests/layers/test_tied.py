@@ -115,6 +115,33 @@ def test_shared_weight_with_own_biases() -> None:
             torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("other_bias", ["frozen", "absent"])
+def test_shared_weight_with_one_trained_bias(other_bias: str) -> None:
+    """`a`'s bias is the layer's: `b`'s rows end in a zero (a zeroed or an
+    appended column), since `b` does not add that bias."""
+    torch.manual_seed(0)
+    model = Shared().double()
+    if other_bias == "frozen":
+        model.b.bias.requires_grad_(False)
+    else:
+        model.b.bias = None
+    X, y = _data()
+    (x1, h1), (x2, h2) = _uses(model, X, y)
+    optimizer = _first_kfac_factors(model, X, y)
+    layers = {layer.name: layer for layer in optimizer.layers}
+    assert set(layers) == {"a", "head"}
+    assert layers["a"].dims == (D + 1, D)
+    assert [site.name for site in layers["a"].sites] == ["a", "b"]
+    zeros = torch.zeros(*x2.shape[:-1], 1, dtype=x2.dtype)
+    expected = expand_factors(
+        [_ones(x1), torch.cat([x2, zeros], -1)], [h1.grad, h2.grad], N
+    )
+    for actual, wanted in zip(
+        kfac_factors(optimizer, layers["a"]), expected, strict=True
+    ):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+
+
 class TiedLM(nn.Module):
     """GPT-2's tying: the token embedding is the output layer's weight."""
 

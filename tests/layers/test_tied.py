@@ -142,6 +142,34 @@ def test_shared_weight_with_one_trained_bias(other_bias: str) -> None:
         torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
 
 
+def test_bias_shared_by_two_weights_is_a_layer_of_its_own() -> None:
+    """A bias that two weights add joins neither: it is a bias-only layer of both
+    sites, and each weight a layer without bias."""
+    torch.manual_seed(0)
+    model = Shared().double()
+    model.b.weight = nn.Parameter(model.a.weight.detach().clone().mul_(0.5))
+    model.b.bias = model.a.bias
+    X, y = _data()
+    (x1, h1), (x2, h2) = _uses(model, X, y)
+    optimizer = _first_kfac_factors(model, X, y)
+    layers = {layer.name: layer for layer in optimizer.layers}
+    assert set(layers) == {"a", "a.bias", "b", "head"}
+    assert layers["a"].dims == layers["b"].dims == (D, D)
+    assert [site.name for site in layers["a.bias"].sites] == ["a", "b"]
+    ones = torch.ones(*x1.shape[:-1], 1, dtype=x1.dtype)
+    cases = {
+        "a": ([x1], [h1.grad]),
+        "b": ([x2], [h2.grad]),
+        "a.bias": ([ones, ones], [h1.grad, h2.grad]),
+    }
+    for name, (inputs, gradients) in cases.items():
+        expected = expand_factors(inputs, gradients, N)
+        for actual, wanted in zip(
+            kfac_factors(optimizer, layers[name]), expected, strict=True
+        ):
+            torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+
+
 class TiedLM(nn.Module):
     """GPT-2's tying: the token embedding is the output layer's weight."""
 

@@ -119,7 +119,7 @@ def problem(weighted: bool = False, sparse: bool = False, **conv_kwargs):
         ).to_sparse_csr()
         edge_weight = None
 
-    def gcn_loss() -> Tensor:
+    def gcn_loss(adjacency=adjacency, edge_weight=edge_weight) -> Tensor:
         out = gcn(x, adjacency, edge_weight)
         return nn.functional.cross_entropy(out[train], y[train])
 
@@ -175,6 +175,27 @@ def singd(model: nn.Module, **kwargs) -> SINGD:
 def test_singd_gcn_equals_linear_on_aggregated_features(conv: dict) -> None:
     gcn, dense, gcn_loss, dense_loss = problem(**conv)
     train_both([singd(gcn), singd(dense)], [gcn_loss, dense_loss], steps=5)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["edge_index", "sparse"])
+def test_a_cached_gcn_is_preconditioned_with_the_adjacency_it_applies(
+    sparse: bool,
+) -> None:
+    """With `cached=True` a layer applies the normalised adjacency of its first
+    graph to every later one; the statistics must use that cache, too."""
+    gcn, dense, gcn_loss, dense_loss = problem(sparse=sparse, cached=True)
+    with torch.no_grad():
+        gcn_loss()  # fills the caches from the first graph (the dense twin's)
+    edge_index = graph(weighted=False)[0][:, ::2]  # another graph
+    other = edge_index
+    if sparse:
+        values = torch.ones(edge_index.shape[1], dtype=torch.float64)
+        other = torch.sparse_coo_tensor(
+            edge_index.flip(0), values, (NODES, NODES)
+        ).to_sparse_csr()
+    train_both(
+        [singd(gcn), singd(dense)], [lambda: gcn_loss(other, None), dense_loss], 3
+    )
 
 
 @pytest.mark.parametrize("options", OPTIMIZER_CASES.values(), ids=OPTIMIZER_CASES)

@@ -514,3 +514,33 @@ def test_inputs_that_alias_one_tensor_are_self_attention(alias: str) -> None:
     for pair, pair_self in zip(grads[-1], grads_self[-1], strict=True):
         for factor, factor_self in zip(pair, pair_self, strict=True):
             torch.testing.assert_close(factor, factor_self, rtol=1e-12, atol=1e-15)
+
+
+def test_views_of_one_storage_at_other_offsets_are_distinct_inputs() -> None:
+    """Query, key and value as slices of one stacked tensor (the same storage,
+    shape and strides, other offsets) hold other numbers: not self-attention,
+    but three uses, as for three separate tensors."""
+    results = []
+    for hooked, separate in ((True, False), (False, False), (True, True)):
+        torch.manual_seed(0)
+        model = nn.MultiheadAttention(E, HEADS, batch_first=True).double()
+        optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd") if hooked else None
+        x, _ = _inputs(batch_first=True)
+        stacked = torch.stack([x, x.flip(1), 2 * x]).detach().requires_grad_()
+        inputs = stacked.unbind(0)
+        if separate:
+            inputs = [t.clone() for t in inputs]
+        out = model(*inputs, need_weights=False)[0]
+        out.square().sum().backward()
+        grads = [stacked.grad, *(p.grad for p in model.parameters())]
+        if optimizer is not None:
+            optimizer.step()
+            grads.append([kfac_factors(optimizer, layer) for layer in optimizer.layers])
+        results.append((out, grads))
+    (out, grads), (out_plain, grads_plain), (_, grads_separate) = results
+    torch.testing.assert_close(out, out_plain, rtol=0, atol=1e-12)
+    for g, g_plain in zip(grads[:-1], grads_plain, strict=True):
+        torch.testing.assert_close(g, g_plain, rtol=0, atol=1e-12)
+    for pair, pair_separate in zip(grads[-1], grads_separate[-1], strict=True):
+        for factor, factor_separate in zip(pair, pair_separate, strict=True):
+            torch.testing.assert_close(factor, factor_separate, rtol=1e-12, atol=0)

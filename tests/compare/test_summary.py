@@ -19,13 +19,14 @@ from singd_curvlinops.compare.workloads import WORKLOADS
 INF = math.inf
 
 
-def run(workload, optimizer, index, seed, seconds, final, **kwargs):
-    """A made-up run of a workload that reaches its target after `seconds`."""
+def run(workload, optimizer, index, seed, seconds, final, step=10, **kwargs):
+    """A made-up run of a workload that reaches its target after `seconds`, at
+    `step`."""
     workload = WORKLOADS[workload]
     start = 0.0 if workload.higher_is_better else 10.0
     curve = [[0, 0.0, start], [100, 50.0, start]]
     if math.isfinite(seconds):
-        curve.insert(1, [10, seconds, workload.target])
+        curve.insert(1, [step, seconds, workload.target])
     precision = kwargs.pop("precision", Precision.FLOAT32)
     result = RunResult(curve, final, **kwargs)
     cell = Cell(workload, parse_optimizer(optimizer), precision)
@@ -72,6 +73,21 @@ def test_without_a_point_on_target_the_best_final_metric_is_chosen():
     ]
     (row,) = rows_of(runs, seeds=1)
     assert row.chosen.index == 1 and row.seconds == INF and row.best_final == 0.2
+
+
+def test_time_decides_before_steps_and_a_diverged_run_is_the_worst():
+    runs = [
+        run("digits-cnn", "sgd", 0, 0, 3.0, 0.98, step=2),
+        run("digits-cnn", "sgd", 1, 0, 2.0, 0.97, step=5),  # fewer seconds
+    ]
+    (row,) = rows_of(runs, seeds=1)
+    assert row.chosen.index == 1 and (row.chosen.steps, row.seconds) == (5, 2.0)
+    runs = [  # a NaN (listed first) is worse than any metric
+        run("teacher-mlp", "adamw", 0, 0, INF, math.nan, diverged=True),
+        run("teacher-mlp", "adamw", 1, 0, INF, 0.3),
+    ]
+    (row,) = rows_of(runs, seeds=1)
+    assert row.chosen.index == 1 and row.best_final == 0.3
 
 
 def test_performance_profile_and_its_integral():

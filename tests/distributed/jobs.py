@@ -28,6 +28,7 @@ from singd_curvlinops.bench.distributed import (
     EKFAC_STRATEGIES,
     STRATEGIES,
     Setting,
+    _largest,
     measure_distributed,
 )
 from singd_curvlinops.distributed import Shard, bytes_per_step
@@ -398,6 +399,7 @@ def train_w2(results: dict[str, Any], out: Path) -> None:
         Setting("cnn", "auto", 1, name, optimizer="ekfac") for name in EKFAC_STRATEGIES
     ]
     results["bench_ekfac"] = measure_distributed(ekfac, 1, 1, 0)
+    results["bench_largest"] = _largest(float(dist.get_rank() + 1))
 
 
 def train_w3(results: dict[str, Any], out: Path) -> None:

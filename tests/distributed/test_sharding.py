@@ -553,6 +553,8 @@ def test_the_distributed_benchmark_measures_every_strategy(w2: list[dict]) -> No
     assert replicate["plain_bytes"]["gather"] == 0 < shard["plain_bytes"]["gather"]
     table = markdown_table(records)
     assert table.count("\n") == len(records) + 1 and "| cnn | 1 | shard |" in table
+    # a block's time and the factor state are the busiest process's
+    assert [result["bench_largest"] for result in w2] == [2.0, 2.0]
 
 
 def test_the_distributed_benchmark_times_ekfac(w2: list[dict]) -> None:

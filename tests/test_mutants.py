@@ -1,6 +1,6 @@
 """`.ci/mutations/mutants.json` stays applicable as the code changes.
 
-Running the mutants takes a quarter of an hour and is done by hand
+Running the mutants takes about six minutes and is done by hand
 (`.ci/mutations/README.md`); this checks in milliseconds that every mutant still
 names one exact place in its file and existing tests, so that a change of the
 code that moves a mutant's text fails here instead of going unnoticed.

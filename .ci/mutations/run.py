@@ -11,7 +11,7 @@ entry that says why.
 
 Usage, from the repository root (any Python with the `test` extra installed):
 
-    python .ci/mutations/run.py                 # every mutant (about 15 minutes)
+    python .ci/mutations/run.py                 # every mutant (about 6 minutes)
     python .ci/mutations/run.py --only gcn-cache budget-le
 
 The exit status is 1 if an unexpected mutant survived or a mutant no longer

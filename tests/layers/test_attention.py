@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from singd_curvlinops import KFAC, SINGD
@@ -481,6 +482,40 @@ ALIASES = {
 }
 
 
+def _attend(inputs: Callable, hooked: bool) -> tuple:
+    """Run self-attention's module on `inputs(x)`; return output, grads, factors.
+
+    `inputs` maps the input `x` to the leaf whose gradient is compared and the
+    query, key and value. The factors (KFAC's, after one step) are None unhooked.
+    """
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(E, HEADS, batch_first=True).double()
+    optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd") if hooked else None
+    x, _ = _inputs(batch_first=True)
+    leaf, query, key, value = inputs(x)
+    out = model(query, key, value, need_weights=False)[0]
+    out.square().sum().backward()
+    grads = [leaf.grad, *(p.grad for p in model.parameters())]
+    if optimizer is None:
+        return out, grads, None
+    optimizer.step()
+    return out, grads, [kfac_factors(optimizer, layer) for layer in optimizer.layers]
+
+
+def _assert_plain_with_factors_of(inputs: Callable, factors_of: Callable) -> None:
+    """Hooked, the module's output and gradients are those of the unhooked one,
+    and its factors those of a run on `factors_of(x)`."""
+    out, grads, factors = _attend(inputs, hooked=True)
+    out_plain, grads_plain, _ = _attend(inputs, hooked=False)
+    torch.testing.assert_close(out, out_plain, rtol=0, atol=1e-12)
+    for g, g_plain in zip(grads, grads_plain, strict=True):
+        torch.testing.assert_close(g, g_plain, rtol=0, atol=1e-12)
+    _, _, expected = _attend(factors_of, hooked=True)
+    for pair, pair_expected in zip(factors, expected, strict=True):
+        for factor, factor_expected in zip(pair, pair_expected, strict=True):
+            torch.testing.assert_close(factor, factor_expected, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("alias", sorted(ALIASES))
 def test_inputs_that_alias_one_tensor_are_self_attention(alias: str) -> None:
     """`attn(x, a(x), a(x))` with `a(x)` aliasing `x`: one packed use, own gradients.
@@ -490,57 +525,27 @@ def test_inputs_that_alias_one_tensor_are_self_attention(alias: str) -> None:
     Each input keeps its own gradient path: with detached keys and values no
     gradient reaches `x` through them, as without the optimizer.
     """
-    results = []
-    for hooked, make in (
-        (True, ALIASES[alias]),
-        (False, ALIASES[alias]),
-        (True, ALIASES["same"]),
-    ):
-        torch.manual_seed(0)
-        model = nn.MultiheadAttention(E, HEADS, batch_first=True).double()
-        optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd") if hooked else None
-        x, _ = _inputs(batch_first=True)
-        out = model(x, make(x), make(x), need_weights=False)[0]
-        out.square().sum().backward()
-        grads = [x.grad, *(p.grad for p in model.parameters())]
-        if optimizer is not None:
-            optimizer.step()
-            grads.append([kfac_factors(optimizer, layer) for layer in optimizer.layers])
-        results.append((out, grads))
-    (out, grads), (out_plain, grads_plain), (_, grads_self) = results
-    torch.testing.assert_close(out, out_plain, rtol=0, atol=1e-12)
-    for g, g_plain in zip(grads[:-1], grads_plain, strict=True):
-        torch.testing.assert_close(g, g_plain, rtol=0, atol=1e-12)
-    for pair, pair_self in zip(grads[-1], grads_self[-1], strict=True):
-        for factor, factor_self in zip(pair, pair_self, strict=True):
-            torch.testing.assert_close(factor, factor_self, rtol=1e-12, atol=1e-15)
+    make = ALIASES[alias]
+    _assert_plain_with_factors_of(
+        lambda x: (x, x, make(x), make(x)), lambda x: (x, x, x, x)
+    )
+
+
+def _stacked(x: Tensor) -> Tensor:
+    return torch.stack([x, x.flip(1), 2 * x]).detach().requires_grad_()
 
 
 def test_views_of_one_storage_at_other_offsets_are_distinct_inputs() -> None:
     """Query, key and value as slices of one stacked tensor (the same storage,
     shape and strides, other offsets) hold other numbers: not self-attention,
     but three uses, as for three separate tensors."""
-    results = []
-    for hooked, separate in ((True, False), (False, False), (True, True)):
-        torch.manual_seed(0)
-        model = nn.MultiheadAttention(E, HEADS, batch_first=True).double()
-        optimizer = KFAC(model, lr=0.0, T=1, fallback="sgd") if hooked else None
-        x, _ = _inputs(batch_first=True)
-        stacked = torch.stack([x, x.flip(1), 2 * x]).detach().requires_grad_()
-        inputs = stacked.unbind(0)
-        if separate:
-            inputs = [t.clone() for t in inputs]
-        out = model(*inputs, need_weights=False)[0]
-        out.square().sum().backward()
-        grads = [stacked.grad, *(p.grad for p in model.parameters())]
-        if optimizer is not None:
-            optimizer.step()
-            grads.append([kfac_factors(optimizer, layer) for layer in optimizer.layers])
-        results.append((out, grads))
-    (out, grads), (out_plain, grads_plain), (_, grads_separate) = results
-    torch.testing.assert_close(out, out_plain, rtol=0, atol=1e-12)
-    for g, g_plain in zip(grads[:-1], grads_plain, strict=True):
-        torch.testing.assert_close(g, g_plain, rtol=0, atol=1e-12)
-    for pair, pair_separate in zip(grads[-1], grads_separate[-1], strict=True):
-        for factor, factor_separate in zip(pair, pair_separate, strict=True):
-            torch.testing.assert_close(factor, factor_separate, rtol=1e-12, atol=0)
+
+    def views(x: Tensor) -> tuple:
+        stacked = _stacked(x)
+        return stacked, *stacked.unbind(0)
+
+    def separate(x: Tensor) -> tuple:
+        stacked = _stacked(x)
+        return stacked, *(t.clone() for t in stacked.unbind(0))
+
+    _assert_plain_with_factors_of(views, separate)

@@ -352,10 +352,8 @@ def test_a_skipped_step_drops_its_statistics() -> None:
     mse_loss(model(X), Y).backward()
     opt.step()
     names = [name for name, _ in model.named_parameters()]
-    assert _changed(_state(expected_opt, expected), _state(opt, model)) == {
-        f"{name}:skipped_steps"
-        for name in names  # the only trace of the skip
-    }
+    changed = _changed(_state(expected_opt, expected), _state(opt, model))
+    assert changed == {f"{name}:skipped_steps" for name in names}  # only the count
 
 
 @pytest.mark.parametrize("cls", [KFAC, EKFAC], ids=lambda cls: cls.__name__)

@@ -311,9 +311,9 @@ class LayerStepper:
                 overwritten.
         """
         blocked = split_bias(layer)
-        position = shard_position(layer.weight) if is_sharded(layer) else None
-        shards = position if position is not None and position.count > 1 else None
-        sharded = shards is not None
+        shards = shard_position(layer.weight) if is_sharded(layer) else None
+        if shards is not None and shards.count == 1:
+            shards = None  # (the whole layer on this rank: nothing to combine)
         group = self.group(layer)
         choices = []
         if group["graft"] is not None:  # (on every rank: norms over all shards)
@@ -322,7 +322,9 @@ class LayerStepper:
             if choices:  # its grafting counter follows the other ranks' verdict
                 passed = torch.ones((), dtype=torch.bool, device=direction.device)
                 commit = partial(choose, choices)
-                self.guard.parameter_update(layer, passed, commit, defer=sharded)
+                self.guard.parameter_update(
+                    layer, passed, commit, defer=shards is not None
+                )
             return
         parts = block_parts(layer, direction) if blocked else None
         steps = parameter_update.layer_steps(
@@ -338,7 +340,7 @@ class LayerStepper:
             apply(ok)
             choose(choices, ok)
 
-        self.guard.parameter_update(layer, sound, commit, defer=sharded)
+        self.guard.parameter_update(layer, sound, commit, defer=shards is not None)
 
     def _graft(
         self,

@@ -24,7 +24,7 @@ Under `Shard(factors="owned")` the hooks keep the raw rows instead (\(B = a\)),
 which the owner projects itself (`raw_gram`). EKFAC's statistics are KFAC's
 (\(B = a\), \(g\)); they travel as rows to the layer's owner under
 `Shard(factors="owned")` only, since under `"shard"` every rank updates every
-factor from the all-reduced statistics (`Shard.keeps_rows`).
+factor from the all-reduced statistics (`DistributionStrategy.keeps_rows`).
 """
 
 from __future__ import annotations

@@ -124,27 +124,6 @@ class Shard(DistributionStrategy):
         kept = raw_gram.kept_structures(layer, rule, group)
         return raw_gram.raw_statistics(kept)
 
-    def keeps_rows(self, rule: FactorRule) -> bool:
-        r"""Return whether the hooks keep dense statistics as rows (`gram_rows`).
-
-        The rows travel to the side's owner, which forms their Gram matrix.
-
-        Args:
-            rule: The factor rule.
-
-        Returns:
-            On several ranks: with factors replicated, for SINGD and KFAC
-            (\(B = a K\), \(a\); EKFAC's every rank updates, from all-reduced
-            statistics); with owned factors, for EKFAC (\(B = a\): its owner
-            forms \(A\) to decompose it; SINGD's and KFAC's owners project
-            raw rows instead, `projection`).
-        """
-        if world_size() == 1:
-            return False
-        if rule.per_example:  # (EKFAC: all-reduced unless owners update alone)
-            return self._owned
-        return not self._owned
-
     @property
     def rows(self) -> str | None:  # type: ignore[override]
         """`"projected"` (`B = a K`), `"raw"` (`a`: owned factors), or None."""

@@ -102,15 +102,23 @@ class DistributionStrategy:
         return self.rows == "raw" and not rule.per_example
 
     def keeps_rows(self, rule: FactorRule) -> bool:
-        """Return whether the hooks keep dense statistics as rows (`gram_rows`).
+        r"""Return whether the hooks keep dense statistics as rows (`gram_rows`).
+
+        The rows travel to the side's owner, which forms their Gram matrix.
 
         Args:
             rule: The factor rule.
 
         Returns:
-            False: every rank forms its statistics, which are all-reduced.
+            Where the hooks keep projected rows (`rows == "projected"`:
+            factors replicated, \(B = a K\) for SINGD, \(a\) for KFAC), for a
+            rule without per-example gradients (EKFAC's every rank updates
+            there, from all-reduced statistics); where they keep raw rows
+            (owned factors), for EKFAC (\(B = a\): its owner forms \(A\) to
+            decompose it; the other rules' owners project the raw rows,
+            `projects_raw_rows`). False without rows (`Replicate`, one process).
         """
-        return False
+        return self.rows == ("raw" if rule.per_example else "projected")
 
     def check_holds(self, layer: Layer) -> None:
         """Raise unless this rank keeps the layer's factors.

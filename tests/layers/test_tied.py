@@ -78,17 +78,23 @@ def _first_kfac_factors(model, X, y):
     return optimizer
 
 
+def _assert_factors(optimizer, layer, inputs, gradients) -> None:
+    """The layer's KFAC factors are the dense sums over the uses' rows."""
+    expected = expand_factors(inputs, gradients, N)
+    for actual, wanted in zip(kfac_factors(optimizer, layer), expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+
+
 def test_module_called_twice_concatenates_its_uses() -> None:
     torch.manual_seed(0)
     model = Reused().double()
     X, y = _data()
     uses = _uses(model, X, y)
-    expected = expand_factors([_ones(x) for x, _ in uses], [h.grad for _, h in uses], N)
     optimizer = _first_kfac_factors(model, X, y)
     layer = optimizer.layers[0]
     assert layer.name == "lin" and layer.dims == (D + 1, D)
-    for actual, wanted in zip(kfac_factors(optimizer, layer), expected, strict=True):
-        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+    inputs = [_ones(x) for x, _ in uses]
+    _assert_factors(optimizer, layer, inputs, [h.grad for _, h in uses])
 
 
 def test_shared_weight_with_own_biases() -> None:
@@ -101,18 +107,12 @@ def test_shared_weight_with_own_biases() -> None:
     layers = {layer.name: layer for layer in optimizer.layers}
     assert set(layers) == {"a", "a.bias", "b.bias", "head"}
     assert [site.name for site in layers["a"].sites] == ["a", "b"]
-    expected = expand_factors([x for x, _ in uses], [h.grad for _, h in uses], N)
-    for actual, wanted in zip(
-        kfac_factors(optimizer, layers["a"]), expected, strict=True
-    ):
-        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+    _assert_factors(
+        optimizer, layers["a"], [x for x, _ in uses], [h.grad for _, h in uses]
+    )
     for name, (x, h) in zip(("a.bias", "b.bias"), uses, strict=True):
         ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype)
-        expected = expand_factors([ones], [h.grad], N)
-        for actual, wanted in zip(
-            kfac_factors(optimizer, layers[name]), expected, strict=True
-        ):
-            torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+        _assert_factors(optimizer, layers[name], [ones], [h.grad])
 
 
 @pytest.mark.parametrize("other_bias", ["frozen", "absent"])
@@ -133,13 +133,8 @@ def test_shared_weight_with_one_trained_bias(other_bias: str) -> None:
     assert layers["a"].dims == (D + 1, D)
     assert [site.name for site in layers["a"].sites] == ["a", "b"]
     zeros = torch.zeros(*x2.shape[:-1], 1, dtype=x2.dtype)
-    expected = expand_factors(
-        [_ones(x1), torch.cat([x2, zeros], -1)], [h1.grad, h2.grad], N
-    )
-    for actual, wanted in zip(
-        kfac_factors(optimizer, layers["a"]), expected, strict=True
-    ):
-        torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+    inputs = [_ones(x1), torch.cat([x2, zeros], -1)]
+    _assert_factors(optimizer, layers["a"], inputs, [h1.grad, h2.grad])
 
 
 def test_bias_shared_by_two_weights_is_a_layer_of_its_own() -> None:
@@ -157,17 +152,9 @@ def test_bias_shared_by_two_weights_is_a_layer_of_its_own() -> None:
     assert layers["a"].dims == layers["b"].dims == (D, D)
     assert [site.name for site in layers["a.bias"].sites] == ["a", "b"]
     ones = torch.ones(*x1.shape[:-1], 1, dtype=x1.dtype)
-    cases = {
-        "a": ([x1], [h1.grad]),
-        "b": ([x2], [h2.grad]),
-        "a.bias": ([ones, ones], [h1.grad, h2.grad]),
-    }
-    for name, (inputs, gradients) in cases.items():
-        expected = expand_factors(inputs, gradients, N)
-        for actual, wanted in zip(
-            kfac_factors(optimizer, layers[name]), expected, strict=True
-        ):
-            torch.testing.assert_close(actual, wanted, rtol=1e-12, atol=1e-15)
+    _assert_factors(optimizer, layers["a"], [x1], [h1.grad])
+    _assert_factors(optimizer, layers["b"], [x2], [h2.grad])
+    _assert_factors(optimizer, layers["a.bias"], [ones, ones], [h1.grad, h2.grad])
 
 
 class TiedLM(nn.Module):
